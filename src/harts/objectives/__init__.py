@@ -1,0 +1,50 @@
+"""Objectives: rollouts -> loss rows -> per-row losses -> one scalar per micro-batch.
+
+``rollout``: the input dataclass and its checks. ``rows``: one row per (trajectory, predicted
+position) over a forest. ``losses``: SFT, PPO/DAPO/dual clip, GSPO, KL, entropy, aggregation by
+global normalisers. ``advantages``: GRPO, Dr. GRPO, RLOO, tree and first-error-step estimators.
+Formulas and sources: ``docs/objectives.md``.
+"""
+
+from harts.objectives.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    advantages_to_rollouts,
+    dr_grpo_advantages,
+    estimate_advantages,
+    grpo_advantages,
+    pitfall_advantages,
+    rloo_advantages,
+    tree_advantages,
+    tree_node_values,
+    with_advantages,
+)
+from harts.objectives.losses import (
+    POLICY_LOSSES,
+    Aggregation,
+    KLEstimator,
+    LossKind,
+    Normalizers,
+    PolicyLossConfig,
+    aggregate,
+    compute_loss,
+    entropy_bonus,
+    gspo_loss,
+    kl_penalty,
+    normalizers_for,
+    ppo_clip_loss,
+    sft_loss,
+)
+from harts.objectives.rollout import CheckedRollout, Rollout, validate_rollouts
+from harts.objectives.rows import LossRows, build_loss_rows, unique_predictors
+
+__all__ = [
+    "Rollout", "CheckedRollout", "validate_rollouts",
+    "LossRows", "build_loss_rows", "unique_predictors",
+    "Aggregation", "Normalizers", "normalizers_for", "aggregate",
+    "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
+    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES",
+    "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
+    "pitfall_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "estimate_advantages",
+    "with_advantages", "advantages_to_rollouts",
+]  # fmt: skip

@@ -1,0 +1,237 @@
+"""Rollouts: one trajectory's tokens with the annotations the objectives read, and their checks.
+
+A :class:`Rollout` is what a sampler hands to training. Per-position annotations have one value
+per token of the trajectory (``L`` values for ``L`` tokens); position ``p`` describes token ``p``,
+which the model predicts from position ``p - 1``. Position 0 is never loss-bearing: nothing
+predicts the first token.
+
+Defaults, when an annotation is absent:
+
+- ``loss_mask`` None: every position ``1 .. L-1`` is loss-bearing (plain SFT on the whole text).
+- ``rollout_logprobs`` / ``ref_logprobs`` / ``advantages`` None: the loss rows flag them absent and
+  objectives that need them refuse to run (see ``LossRows.has_*``).
+- ``advantages`` may also be one number, which applies to every position.
+
+Annotations are read only at loss-bearing positions, so only those are checked for NaN/inf and
+for log-probs above 0; masked positions (prompt tokens, tool outputs) may hold anything, NaN
+included, since samplers rarely score them.
+
+:func:`validate_rollouts` checks everything before any compute and names the trajectory and the
+position of the first problem. What this leaves out: loss rows (``rows.py``), advantages
+(``advantages.py``) and the prefix merge (``harts.forest``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import numpy as np
+import torch
+
+from harts.forest import as_token_array
+
+__all__ = ["Rollout", "CheckedRollout", "validate_rollouts", "LOGPROB_SLACK"]
+
+# Samplers compute log_softmax in low precision; a log-prob this far above 0 is rounding, not a bug.
+LOGPROB_SLACK = 1e-6
+
+_PER_POSITION = ("loss_mask", "rollout_logprobs", "ref_logprobs", "advantages")
+
+
+@dataclass(frozen=True, eq=False)
+class Rollout:
+    """One trajectory and its annotations. Sequences may be lists, numpy arrays or 1-D tensors.
+
+    - ``tokens`` [L]: token ids (integers >= 0).
+    - ``loss_mask`` [L] or None: bool or 0/1; which tokens the policy generated and is trained on.
+    - ``rollout_logprobs`` [L] or None: log-prob the sampler gave each token (position 0 ignored).
+    - ``ref_logprobs`` [L] or None: log-prob of each token under the reference policy (for KL).
+    - ``advantages`` [L], a number, or None: advantage of each token.
+    - ``reward``: the trajectory's scalar reward, or None.
+    - ``group_id``: hashable id of the trajectory's group (GRPO group: same prompt); None makes the
+      trajectory a group of its own.
+    - ``first_error_position``: position of the first wrong step of a failed trajectory (pitfall
+      advantages), in ``[0, L)``; None for a trajectory without a located error.
+    """
+
+    tokens: Any
+    loss_mask: Any = None
+    rollout_logprobs: Any = None
+    ref_logprobs: Any = None
+    advantages: Any = None
+    reward: float | None = None
+    group_id: Hashable | None = None
+    first_error_position: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedRollout:
+    """A rollout after :func:`validate_rollouts`: numpy arrays of length L, defaults applied.
+
+    ``loss_mask`` is bool [L]; the float annotations are float64 [L] or None (absent).
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray | None
+    ref_logprobs: np.ndarray | None
+    advantages: np.ndarray | None
+    reward: float | None
+    group_id: Hashable | None
+    first_error_position: int | None
+
+
+def _to_numpy(values, name: str, index: int) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dtype == torch.bfloat16:
+            values = values.float()
+        return values.numpy()
+    if isinstance(values, (str, bytes)):
+        raise TypeError(
+            f"trajectory {index}: {name} must be a sequence of numbers, got {type(values).__name__}"
+        )
+    try:
+        return np.asarray(values)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"trajectory {index}: {name} must be a sequence of numbers ({err})") from None
+
+
+def _check_shape(arr: np.ndarray, name: str, index: int, length: int) -> None:
+    if arr.ndim != 1:
+        raise ValueError(
+            f"trajectory {index}: {name} must be 1-D with one value per token, got shape {arr.shape}"
+        )
+    if arr.shape[0] != length:
+        raise ValueError(
+            f"trajectory {index}: {name} has {arr.shape[0]} values but the trajectory has {length} tokens"
+        )
+
+
+def _loss_mask(values, index: int, length: int) -> np.ndarray:
+    if values is None:
+        mask = np.ones(length, dtype=bool)
+        mask[0] = False
+        return mask
+    arr = _to_numpy(values, "loss_mask", index)
+    _check_shape(arr, "loss_mask", index, length)
+    if arr.dtype != bool:
+        if arr.dtype.kind not in "iuf":
+            raise TypeError(f"trajectory {index}: loss_mask must be bool or 0/1, got dtype {arr.dtype}")
+        bad = ~((arr == 0) | (arr == 1))
+        if bad.any():
+            pos = int(np.argmax(bad))
+            raise ValueError(f"trajectory {index}, position {pos}: loss_mask must be 0 or 1, got {arr[pos]}")
+        arr = arr == 1
+    if arr[0]:
+        raise ValueError(
+            f"trajectory {index}, position 0: loss_mask is set on the first token, which nothing predicts"
+        )
+    return arr.copy()
+
+
+def _float_annotation(values, name: str, index: int, length: int, mask: np.ndarray) -> np.ndarray | None:
+    if values is None:
+        return None
+    scalar = isinstance(values, Real) or (isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim == 0)
+    if isinstance(values, (bool, np.bool_)):
+        raise TypeError(f"trajectory {index}: {name} must be numbers, got a bool")
+    if scalar:
+        if name != "advantages":
+            raise TypeError(f"trajectory {index}: {name} needs one value per token, got a single number")
+        arr = np.full(length, float(values), dtype=np.float64)
+    else:
+        arr = _to_numpy(values, name, index)
+        _check_shape(arr, name, index, length)
+        if arr.dtype.kind not in "iuf":
+            raise TypeError(f"trajectory {index}: {name} must be numbers, got dtype {arr.dtype}")
+        arr = arr.astype(np.float64)
+    bad = mask & ~np.isfinite(arr)
+    if bad.any():
+        pos = int(np.argmax(bad))
+        raise ValueError(
+            f"trajectory {index}, position {pos}: {name} is {arr[pos]} at a loss-bearing position"
+        )
+    if name.endswith("logprobs"):
+        bad = mask & (arr > LOGPROB_SLACK)
+        if bad.any():
+            pos = int(np.argmax(bad))
+            raise ValueError(
+                f"trajectory {index}, position {pos}: {name} is {arr[pos]}, but a log-probability is <= 0"
+            )
+    return arr
+
+
+def _check_one(rollout, index: int, vocab_size: int | None) -> CheckedRollout:
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"trajectory {index}: expected a Rollout, got {type(rollout).__name__}")
+    tokens = as_token_array(rollout.tokens, index)
+    length = tokens.size
+    if vocab_size is not None and tokens.max() >= vocab_size:
+        pos = int(np.argmax(tokens >= vocab_size))
+        raise ValueError(
+            f"trajectory {index}, position {pos}: token id {int(tokens[pos])} is outside the vocabulary "
+            f"(vocab_size={vocab_size})"
+        )
+    mask = _loss_mask(rollout.loss_mask, index, length)
+    floats = {
+        name: _float_annotation(getattr(rollout, name), name, index, length, mask)
+        for name in _PER_POSITION[1:]
+    }
+    reward = rollout.reward
+    if reward is not None:
+        if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, Real):
+            raise TypeError(f"trajectory {index}: reward must be a real number or None, got {reward!r}")
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"trajectory {index}: reward is {reward}")
+    if not isinstance(rollout.group_id, Hashable):
+        raise TypeError(
+            f"trajectory {index}: group_id must be hashable, got {type(rollout.group_id).__name__}"
+        )
+    err = rollout.first_error_position
+    if err is not None:
+        if isinstance(err, (bool, np.bool_)) or not isinstance(err, (int, np.integer)):
+            raise TypeError(f"trajectory {index}: first_error_position must be an int or None, got {err!r}")
+        if not 0 <= err < length:
+            raise ValueError(
+                f"trajectory {index}, position {int(err)}: first_error_position is outside the trajectory "
+                f"(length {length})"
+            )
+        err = int(err)
+    return CheckedRollout(
+        tokens, mask, reward=reward, group_id=rollout.group_id, first_error_position=err, **floats
+    )
+
+
+def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None) -> list[CheckedRollout]:
+    """Check a batch of rollouts before any compute; return them as :class:`CheckedRollout`.
+
+    Raises TypeError (wrong kinds) or ValueError (wrong values) naming the trajectory index and,
+    where there is one, the position: annotation lengths that differ from the tokens, NaN/inf in
+    log-probs, advantages or reward, a loss mask on position 0, log-probs above 0, token ids
+    outside ``[0, vocab_size)``, a first error position outside the trajectory, and per-position
+    annotations given for some trajectories of the batch but not for others.
+    """
+    if isinstance(rollouts, Rollout) or not isinstance(rollouts, Sequence):
+        raise TypeError(f"expected a sequence of Rollout, got {type(rollouts).__name__}")
+    if len(rollouts) == 0:
+        raise ValueError("empty batch: at least one rollout is needed")
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+    ):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    checked = [_check_one(r, i, vocab_size) for i, r in enumerate(rollouts)]
+    for name in _PER_POSITION[1:]:
+        present = [getattr(r, name) is not None for r in rollouts]
+        if any(present) and not all(present):
+            have, lack = present.index(True), present.index(False)
+            raise ValueError(
+                f"trajectory {lack} has no {name} but trajectory {have} has them: give every trajectory of "
+                f"a batch the same annotations"
+            )
+    return checked

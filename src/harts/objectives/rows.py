@@ -1,0 +1,196 @@
+"""Loss rows: one row per (trajectory, predicted position), the unit every objective sums over.
+
+The model runs once per unique token of the forest; the loss runs once per row. A row of
+trajectory ``b`` at position ``p`` (with ``loss_mask[p]`` true) holds the unique-token index of
+position ``p - 1`` (the *predictor*), the target token id at ``p``, and ``b``'s own annotations at
+``p``. A shared token can be a predictor in many rows: a branch token predicts a different target
+in each child, and trajectories sharing a token can annotate it differently. So log-probs are per
+row while logits are per unique predictor (see :func:`unique_predictors`).
+
+Shapes: R rows, B trajectories, U unique predictors.
+
+What this leaves out: logits and log-probs (``harts.ops.logprobs``), the objectives
+(``losses.py``), advantage estimation (``advantages.py``). Each trajectory's rows must live in
+one micro-batch: sequence-level terms (GSPO's ratio, seq-mean-token-mean) read all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from harts.forest import Forest
+from harts.objectives.rollout import Rollout, validate_rollouts
+
+__all__ = ["LossRows", "build_loss_rows", "unique_predictors"]
+
+
+@dataclass(frozen=True, eq=False)
+class LossRows:
+    """Loss rows of a batch of trajectories; all tensors on one device.
+
+    Per row [R]:
+
+    - ``predictor``: unique-token index (into the forest) of position ``p - 1``, which predicts ``p``.
+    - ``target``: token id at position ``p``.
+    - ``target_index``: unique-token index of position ``p`` itself (tree advantages use its node).
+    - ``trajectory``: index of the row's trajectory in the batch, ``[0, B)``.
+    - ``position``: ``p``, the position of the target in its trajectory (>= 1).
+    - ``weight``: the float loss mask, 1.0 for every row (masked positions have no row).
+    - ``advantage``, ``rollout_logprob``, ``ref_logprob``: the annotations at ``p``; zeros where the
+      batch has none (see the ``has_*`` flags), never NaN.
+
+    Per trajectory [B]:
+
+    - ``tokens_per_trajectory``: number of rows of each trajectory (0 for a fully masked one).
+    - ``group``: dense group id in ``[0, G)``, in order of first appearance; ``group_id=None``
+      makes a trajectory a group of its own.
+    - ``reward`` (0.0 where absent) and ``has_reward`` (bool).
+    - ``first_error_position``: -1 where None.
+    """
+
+    predictor: torch.Tensor
+    target: torch.Tensor
+    target_index: torch.Tensor
+    trajectory: torch.Tensor
+    position: torch.Tensor
+    weight: torch.Tensor
+    advantage: torch.Tensor
+    rollout_logprob: torch.Tensor
+    ref_logprob: torch.Tensor
+    tokens_per_trajectory: torch.Tensor
+    group: torch.Tensor
+    reward: torch.Tensor
+    has_reward: torch.Tensor
+    first_error_position: torch.Tensor
+    has_advantage: bool = False
+    has_rollout_logprob: bool = False
+    has_ref_logprob: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.predictor.numel())
+
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.tokens_per_trajectory.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.predictor.device
+
+    def to(self, device) -> LossRows:
+        """A copy with every tensor on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    def __repr__(self) -> str:
+        flags = [n for n in ("advantage", "rollout_logprob", "ref_logprob") if getattr(self, f"has_{n}")]
+        flags = flags or "no annotations"
+        return f"LossRows({self.num_rows} rows, {self.num_trajectories} trajectories, with {flags})"
+
+
+def _dense_groups(group_ids) -> torch.Tensor:
+    ids: dict = {}
+    out = []
+    for g in group_ids:
+        if g is None:
+            out.append(len(ids))
+            ids[object()] = len(ids)  # a fresh key: a group of its own
+        else:
+            out.append(ids.setdefault(g, len(ids)))
+    return torch.tensor(out, dtype=torch.long)
+
+
+def build_loss_rows(
+    forest: Forest, rollouts: Sequence[Rollout], dtype: torch.dtype = torch.float32
+) -> LossRows:
+    """Rows of every loss-bearing (trajectory, position) of ``rollouts`` over ``forest``.
+
+    ``forest`` must be ``build_forest([r.tokens for r in rollouts])`` (shared or flat layout):
+    trajectory ``i`` of the forest is rollout ``i``. Rollouts are validated first (see
+    :func:`validate_rollouts`). Float tensors get ``dtype``; index tensors are int64 on the CPU.
+    Rows come trajectory by trajectory, positions ascending.
+    """
+    if not isinstance(forest, Forest):
+        raise TypeError(f"expected a Forest, got {type(forest).__name__}")
+    checked = validate_rollouts(rollouts)
+    num = len(checked)
+    if forest.num_trajectories != num:
+        raise ValueError(
+            f"the forest has {forest.num_trajectories} trajectories but {num} rollouts were given"
+        )
+
+    # One Python step per trajectory (its path's unique-token indices), never per token.
+    paths = [forest.trajectory_token_indices(i) for i in range(num)]
+    for i, (path, c) in enumerate(zip(paths, checked, strict=True)):
+        path_tokens = forest.tokens[path].numpy()
+        if path_tokens.size != c.tokens.size:
+            raise ValueError(
+                f"trajectory {i}: the forest's trajectory has {path_tokens.size} tokens but the rollout has "
+                f"{c.tokens.size}"
+            )
+        diff = path_tokens != c.tokens
+        if diff.any():
+            raise ValueError(
+                f"trajectory {i}, position {int(np.argmax(diff))}: the forest's token differs from the "
+                f"rollout's"
+            )
+
+    lengths = forest.trajectory_length
+    flat_index = torch.cat(paths)  # [F] unique-token index of every flat position
+    flat_mask = torch.from_numpy(np.concatenate([c.loss_mask for c in checked]))
+    flat_trajectory = torch.repeat_interleave(torch.arange(num), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    sel = flat_mask.nonzero().squeeze(1)  # [R] flat positions of rows; never a trajectory's position 0
+    trajectory = flat_trajectory[sel]
+    target_index = flat_index[sel]
+
+    def annotation(name: str) -> tuple[torch.Tensor, bool]:
+        arrays = [getattr(c, name) for c in checked]
+        if arrays[0] is None:
+            return torch.zeros(sel.numel(), dtype=dtype), False
+        return torch.from_numpy(np.concatenate(arrays)[sel.numpy()]).to(dtype), True
+
+    advantage, has_adv = annotation("advantages")
+    rollout_lp, has_rollout = annotation("rollout_logprobs")
+    ref_lp, has_ref = annotation("ref_logprobs")
+    rewards = [c.reward for c in checked]
+    errors = [c.first_error_position for c in checked]
+    return LossRows(
+        predictor=flat_index[sel - 1],
+        target=forest.tokens[target_index],
+        target_index=target_index,
+        trajectory=trajectory,
+        position=sel - starts[trajectory],
+        weight=torch.ones(sel.numel(), dtype=dtype),
+        advantage=advantage,
+        rollout_logprob=rollout_lp,
+        ref_logprob=ref_lp,
+        tokens_per_trajectory=torch.bincount(trajectory, minlength=num),
+        group=_dense_groups(c.group_id for c in checked),
+        reward=torch.tensor([0.0 if r is None else r for r in rewards], dtype=dtype),
+        has_reward=torch.tensor([r is not None for r in rewards], dtype=torch.bool),
+        first_error_position=torch.tensor([-1 if e is None else e for e in errors], dtype=torch.long),
+        has_advantage=has_adv,
+        has_rollout_logprob=has_rollout,
+        has_ref_logprob=has_ref,
+    )
+
+
+def unique_predictors(rows: LossRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique_index [U], inverse [R])``: the distinct predictors, and each row's slot among them.
+
+    ``unique_index`` is sorted (forest order); ``unique_index[inverse] == rows.predictor``. Compute
+    logits (softmax normaliser, entropy) once per entry of ``unique_index``, then read each row's
+    own target: ``logprob[r] = log_softmax(logits[inverse[r]])[rows.target[r]]``.
+    """
+    unique_index, inverse = torch.unique(rows.predictor, sorted=True, return_inverse=True)
+    return unique_index, inverse
