@@ -1,0 +1,12 @@
+"""harts: exact training of hybrid-attention language models on rollout forests.
+
+Every token shared by several trajectories is computed once in forward and backward, with the
+same logits, loss and gradients as training each trajectory on its own.
+"""
+
+from harts.adapters.base import supported_families
+from harts.executor import TreeOutput, forward
+from harts.forest import Forest, build_forest
+
+__all__ = ["Forest", "TreeOutput", "build_forest", "forward", "supported_families"]
+__version__ = "0.1.0"

@@ -1,0 +1,150 @@
+"""Tree-aware token mixers shared by the families: attention and linear attention.
+
+Every function takes the stock module, its normed input ``x`` [1, N, D] over the unique tokens
+of a forest, and a :class:`~harts.adapters.base.MixerContext`; it returns the mixer output
+[1, N, D]. Projections, norms, gates and rotary embeddings are the module's own, applied in the
+order of the stock forward; only the sequence mixing is replaced:
+
+- attention by :func:`harts.ops.tree_attention.blockwise_tree_attention` (each token sees its path),
+- the short convolution by :func:`harts.ops.short_conv.tree_short_conv` (windows along paths),
+- the delta rule by :func:`harts.ops.tree_delta_rule.tree_gated_delta_rule` (state handoff).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from harts.adapters.base import MixerContext, hf_function
+from harts.ops.short_conv import tree_short_conv
+from harts.ops.tree_attention import blockwise_tree_attention
+from harts.ops.tree_delta_rule import tree_gated_delta_rule
+
+__all__ = ["attend", "gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer"]
+
+
+def attend(query, key, value, ctx: MixerContext, scaling: float) -> torch.Tensor:
+    """Tree attention of [1, H, N, d] query/key/value tensors; returns [1, N, H, dv]."""
+    return blockwise_tree_attention(query[0], key[0], value[0], ctx.layout.attention_blocks, scaling)[None]
+
+
+def gqa_attention(attn, x, ctx: MixerContext, output_gate: bool = False) -> torch.Tensor:
+    """Grouped-query attention (llama, qwen3), optionally with q/k norms and qwen3_next's output gate."""
+    n = x.shape[1]
+    head_dim = attn.head_dim
+    hidden_shape = (1, n, -1, head_dim)
+    if output_gate:
+        query, gate = torch.chunk(attn.q_proj(x).view(1, n, -1, head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(1, n, -1)
+    else:
+        query, gate = attn.q_proj(x).view(hidden_shape), None
+    key = attn.k_proj(x).view(hidden_shape)
+    if getattr(attn, "q_norm", None) is not None:  # qwen3, qwen3_next: RMSNorm over each head
+        query, key = attn.q_norm(query), attn.k_norm(key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+    value = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
+    cos, sin = ctx.position_embeddings
+    query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
+    out = attend(query, key, value, ctx, attn.scaling).reshape(1, n, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return attn.o_proj(out)
+
+
+def mla_attention(attn, x, ctx: MixerContext, rope: bool, head_gate: bool) -> torch.Tensor:
+    """Multi-head latent attention: bailing_hybrid (interleaved RoPE, per-head gate), kimi_linear (NoPE).
+
+    The compressed latent (``kv_a_proj_with_mqa`` and its norm) is computed once per unique token
+    and expanded by the module's own ``expand_kv``.
+    """
+    n = x.shape[1]
+    if getattr(attn, "q_lora_rank", None) is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    query = q.view(1, n, -1, attn.qk_head_dim).transpose(1, 2)
+    compressed = attn.kv_a_proj_with_mqa(x)
+    kv_nope, k_rot = torch.split(compressed, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    kv_nope = attn.kv_a_layernorm(kv_nope).view(1, 1, n, attn.kv_lora_rank)
+    k_rot = k_rot.view(1, 1, n, attn.qk_rope_head_dim)
+    if rope:
+        q_pass, q_rot = torch.split(query, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        cos, sin = ctx.position_embeddings
+        q_rot, k_rot = hf_function(attn, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+    key, value = attn.expand_kv(kv_nope, k_rot)
+    out = attend(query, key, value, ctx, attn.scaling)  # [1, N, H, dv]
+    if head_gate:
+        gate = torch.sigmoid(attn.g_proj(x).float()).to(x.dtype)
+        out = out * gate.unsqueeze(-1)
+    return attn.o_proj(out.reshape(1, n, -1))
+
+
+def _conv(module, mixed, ctx: MixerContext) -> torch.Tensor:
+    """The module's depthwise causal conv1d and activation, over path windows. mixed: [N, C]."""
+    conv = module.conv1d
+    out = tree_short_conv(
+        mixed, conv.weight.squeeze(1), ctx.layout.predecessors(conv.kernel_size[0]), conv.bias
+    )
+    if module.activation is not None:
+        out = ACT2FN[module.activation](out)
+    return out.to(mixed.dtype)
+
+
+def _state_dtype(x: torch.Tensor) -> torch.dtype:
+    """Linear-attention maths runs in fp32 (the stock kernels' choice), or fp64 for fp64 models."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # The stock fallbacks normalise q and k in fp32 inside the kernel (fla's convention).
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_mixer(attn, x, ctx: MixerContext, output_gate) -> torch.Tensor:
+    """Kimi Delta Attention (bailing_hybrid, kimi_linear): conv, per-channel forget gate, delta rule.
+
+    ``output_gate(attn, x)`` gives the pre-activation gate of the gated output norm [1, N, H*d].
+    """
+    n = x.shape[1]
+    heads, head_dim = attn.num_heads, attn.head_dim
+    mixed = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)[0]
+    mixed = _conv(attn, mixed, ctx)
+    query, key, value = (
+        t.reshape(n, heads, head_dim) for t in torch.split(mixed, [attn.qkv_dim] * 3, dim=-1)
+    )
+    f = _state_dtype(x)
+    g = attn.forget_gate(x)[0].to(f)  # [N, H, K]
+    beta = torch.sigmoid(attn.b_proj(x))[0].to(f)  # [N, H]
+    out, _ = tree_gated_delta_rule(
+        _l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta, ctx.layout.linear_plan
+    )
+    out = out.to(x.dtype)
+    gate = output_gate(attn, x).view(1, n, heads, head_dim)
+    out = attn.o_norm(out[None], gate).reshape(1, n, -1)
+    return attn.o_proj(out)
+
+
+def gdn_mixer(attn, x, ctx: MixerContext) -> torch.Tensor:
+    """Gated DeltaNet (qwen3_next): fused projections, conv, per-head decay, grouped value heads."""
+    n = x.shape[1]
+    query, key, value, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x), attn.in_proj_ba(x))
+    mixed = torch.cat([t.reshape(1, n, -1) for t in (query, key, value)], dim=-1)[0]
+    mixed = _conv(attn, mixed, ctx)
+    query, key, value = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+    f = _state_dtype(x)
+    query = query.reshape(n, -1, attn.head_k_dim).to(f)
+    key = key.reshape(n, -1, attn.head_k_dim).to(f)
+    value = value.reshape(n, -1, attn.head_v_dim).to(f)
+    beta = b.sigmoid()[0].to(f)  # [N, Hv]
+    g = (-attn.A_log.to(f).exp() * F.softplus(a.to(f) + attn.dt_bias))[0]  # [N, Hv]
+    groups = attn.num_v_heads // attn.num_k_heads
+    if groups > 1:  # each key head serves `groups` consecutive value heads
+        query = query.repeat_interleave(groups, dim=1)
+        key = key.repeat_interleave(groups, dim=1)
+    g = g[..., None].expand(-1, -1, attn.head_k_dim)
+    out, _ = tree_gated_delta_rule(_l2norm(query), _l2norm(key), value, g, beta, ctx.layout.linear_plan)
+    out = out.to(x.dtype)
+    out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
+    return attn.out_proj(out.reshape(1, n, -1))

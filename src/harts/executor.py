@@ -1,0 +1,117 @@
+"""Run a stock Hugging Face causal LM over a forest, each unique token once.
+
+``forward(model, forest)`` embeds the unique tokens, runs every decoder layer with the model's own
+norms, MLP/MoE blocks and parameters, replaces only the token mixers by their tree-aware forms
+(:mod:`harts.adapters`), applies the final norm, and returns a :class:`TreeOutput` holding the
+final hidden state of every unique token. Logits are formed only on request: per trajectory, or
+as log-probs of chosen targets computed once per unique predicting token, in row chunks.
+
+What this leaves out: micro-batch budgets and tree splitting, and losses (see
+:mod:`harts.objectives`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import harts.adapters.families  # noqa: F401  (registers the supported families)
+from harts.adapters.base import MixerContext, adapter_for
+from harts.forest import Forest
+from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, token_logprobs
+from harts.plan.layout import TreeLayout
+
+__all__ = ["forward", "TreeOutput"]
+
+
+class TreeOutput:
+    """Final hidden states of a forest's unique tokens, and the model head to read them.
+
+    - ``hidden_states`` [N, D]: after the model's final norm, in the forest's token order.
+    """
+
+    def __init__(self, hidden_states: torch.Tensor, forest: Forest, lm_head: nn.Module, layout: TreeLayout):
+        self.hidden_states = hidden_states
+        self.forest = forest
+        self.lm_head = lm_head
+        self.layout = layout
+
+    def trajectory_logits(self, i: int) -> torch.Tensor:
+        """[len_i, vocab] logits of trajectory ``i``, equal to the stock forward of that trajectory alone."""
+        idx = self.forest.trajectory_token_indices(i).to(self.hidden_states.device)
+        return self.lm_head(self.hidden_states[idx])
+
+    def trajectory_logprobs(self, i: int, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+        """[len_i - 1] log-prob of each next token of trajectory ``i`` (position p predicted by p - 1)."""
+        idx = self.forest.trajectory_token_indices(i)
+        targets = self.forest.tokens[idx[1:]]
+        logp, _ = self.logprobs(idx[:-1], targets, chunk_rows=chunk_rows)
+        return logp
+
+    def all_trajectory_logprobs(self, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> list[torch.Tensor]:
+        """Next-token log-probs of every trajectory, [len_i - 1] each, from one pass over the head.
+
+        Shared predicting positions are read once: prefer this to calling
+        :meth:`trajectory_logprobs` per trajectory, which recomputes shared prefixes.
+        """
+        f = self.forest
+        indices = [f.trajectory_token_indices(i) for i in range(f.num_trajectories)]
+        predictor = torch.cat([idx[:-1] for idx in indices])
+        target = f.tokens[torch.cat([idx[1:] for idx in indices])]
+        logp, _ = self.logprobs(predictor, target, chunk_rows=chunk_rows)
+        return list(torch.split(logp, [idx.numel() - 1 for idx in indices]))
+
+    def logprobs(
+        self, predictor: torch.Tensor, target: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob [R], entropy [R]) for rows given by unique predicting index and target id.
+
+        The softmax normaliser and the entropy are computed once per distinct predictor and only
+        for predictors that have rows, ``chunk_rows`` at a time, so no [N, vocab] tensor is formed.
+        """
+        device = self.hidden_states.device
+        predictor, target = predictor.to(device), target.to(device)
+        unique, inverse = torch.unique(predictor, return_inverse=True)
+        return token_logprobs(
+            self.hidden_states[unique],
+            self.lm_head.weight,
+            inverse,
+            target,
+            bias=self.lm_head.bias,
+            chunk_rows=chunk_rows,
+        )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward(model: nn.Module, forest: Forest) -> TreeOutput:
+    """Run ``model`` (a supported ``*ForCausalLM``) over every unique token of ``forest`` once.
+
+    Raises ValueError before any compute for an unsupported model or a token id outside the
+    model's vocabulary (naming the trajectory and position).
+    """
+    adapter = adapter_for(model)
+    if not isinstance(forest, Forest):
+        raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
+    forest.check_vocabulary(model.config.vocab_size)
+    backbone = adapter.backbone(model)
+    layers = backbone.layers[: model.config.num_hidden_layers]
+    mixers = [adapter.mixer(layer, adapter.layer_type(model, i)) for i, layer in enumerate(layers)]
+
+    layout = TreeLayout(forest, _model_device(model))
+    hidden = backbone.embed_tokens(layout.tokens)[None]  # [1, N, D]
+    rotary = adapter.rotary(backbone)
+    position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
+    ctx = MixerContext(layout=layout, position_embeddings=position_embeddings)
+    for layer, (module, mixer) in zip(layers, mixers, strict=True):
+        residual = hidden
+        hidden = residual + mixer(module, layer.input_layernorm(hidden), ctx)
+        residual = hidden
+        mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
+        if isinstance(mlp_out, tuple):
+            mlp_out = mlp_out[0]
+        hidden = residual + mlp_out
+    hidden = backbone.norm(hidden)
+    return TreeOutput(hidden[0], forest, model.lm_head, layout)

@@ -1,0 +1,46 @@
+"""Causal depthwise short convolution along each token's own path.
+
+``out[t] = act(bias + sum_j w[:, j] * x[pred_{K-1-j}(t)])`` where ``pred_d(t)`` is the token d
+steps before t on its path. The window may cross several ancestor nodes when they are shorter
+than the kernel; predecessors before the start of the path are zero, like the left zero padding
+of ``nn.Conv1d(padding=K-1)`` in the stock models. One gather and one weighted sum: exact and
+differentiable, with no halo bookkeeping.
+
+Shapes: x [N, C], weight [C, K] (the depthwise ``conv1d.weight`` squeezed), predecessors [N, K]
+with -1 for "before the path start" and column K-1 the token itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["tree_short_conv"]
+
+_ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu, "identity": lambda x: x}
+
+
+def tree_short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    predecessors: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution of ``x`` [N, C] over path predecessors. Returns [N, C]."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported convolution activation {activation!r}; known: {sorted(map(str, _ACTIVATIONS))}"
+        )
+    n, c = x.shape
+    kernel = weight.shape[-1]
+    if predecessors.shape != (n, kernel):
+        raise ValueError(f"predecessors must be [N={n}, K={kernel}], got {tuple(predecessors.shape)}")
+    x = x.to(weight.dtype)
+    # Row n of the padded input is the zero "before the path start".
+    padded = torch.cat([x, x.new_zeros(1, c)], dim=0)
+    window = padded[torch.where(predecessors >= 0, predecessors, n)]  # [N, K, C]
+    out = torch.einsum("nkc,ck->nc", window, weight)
+    if bias is not None:
+        out = out + bias
+    return _ACTIVATIONS[activation](out)

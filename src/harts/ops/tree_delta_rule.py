@@ -1,0 +1,51 @@
+"""Gated delta rule over a forest: differentiable state handoff from parent to child.
+
+Each call of a :class:`~harts.plan.waves.LinearPlan` gathers its segments into a right-padded
+batch, starts each segment from the fp32 final state of its ``init_node`` (zeros at roots), runs
+the chunked kernel once, and keeps every segment's final state for the calls after it. The
+states are ordinary tensors in the autograd graph, never written in place, so the gradient of a
+parent's final state is the sum over its children by construction.
+
+Shapes: q, k [N, H, K]; v [N, H, V]; g [N, H, K] (log decay per key channel; GDN's per-head gate
+is expanded over K by the caller); beta [N, H]. Returns o [N, H, V] and the final state [H, K, V]
+of every node the plan ends a segment at. ``initial_states`` supplies the states of nodes outside
+the plan (a parent computed in an earlier micro-batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harts.ops.delta_rule import chunked_gated_delta_rule
+from harts.plan.waves import LinearPlan
+
+__all__ = ["tree_gated_delta_rule"]
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    plan: LinearPlan,
+    scale: float | None = None,
+    initial_states: dict[int, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    n, h, dk = k.shape
+    dv = v.shape[-1]
+    states: dict[int, torch.Tensor] = dict(initial_states or {})
+    outputs = []
+    zero_state = torch.zeros(1, h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    for call in plan.calls:
+        idx = call.token_index
+        init = torch.cat(
+            [states[node].unsqueeze(0) if node >= 0 else zero_state for node in call.init_node], dim=0
+        )
+        o, final = chunked_gated_delta_rule(
+            q[idx], k[idx], v[idx], g[idx], beta[idx], initial_state=init, lengths=call.lengths, scale=scale
+        )
+        for w, node in enumerate(call.end_node):
+            states[node] = final[w]
+        outputs.append(o[call.valid])
+    return torch.cat(outputs, dim=0)[plan.output_order()], states

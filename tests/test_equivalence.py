@@ -1,0 +1,155 @@
+"""Tree forward/backward equals the stock forward of every trajectory alone, for every family.
+
+For each forest: max |logit diff| <= 1e-4 for every trajectory, next-token log-probs match, and
+the parameter gradients of a random linear functional of all logits match the sum of the
+per-trajectory gradients with relative error <= 1e-4 (fp32, design.md section 4).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import harts
+from harts.models import FAMILIES, tiny_model
+from tests.reference import (
+    GRAD_RTOL,
+    LOGIT_ATOL,
+    functional_weights,
+    grad_relative_errors,
+    param_grads,
+    reference_grads,
+    stock_logits,
+)
+
+VOCAB = 128
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_of(family: str):
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family, seed=7)
+    return _MODELS[family]
+
+
+def _seq(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def edge_shapes() -> dict[str, list[list[int]]]:
+    """Hand-made forests that stress one mechanism each."""
+    rng = random.Random(0)
+    p = _seq(rng, 20)
+    shapes = {
+        "single-T17": [_seq(rng, 17)],
+        "star-P20-G4": [p + _seq(rng, rng.randrange(3, 12)) for _ in range(4)],
+        # branch points stacked at several depths, with one-token nodes between them
+        "stacked-branches": [
+            p[:5] + [9] + [10, 11],
+            p[:5] + [9] + [12],
+            p[:5] + [13] + [14, 15, 16],
+            p[:5] + [13],
+            p[:5] + [9] + [10, 17, 18],
+        ],
+        # parents shorter than the conv kernel (4): windows cross two ancestors
+        "short-parents": [
+            [3, 4] + [5] + [6, 7, 8, 9],
+            [3, 4] + [5] + [10],
+            [3, 4] + [11, 12],
+            [3, 4, 5, 6, 7, 20],
+        ],
+        "prefix-of-another": [p[:9], p, p + _seq(rng, 5)],
+        "duplicates": [p, p, p[:7] + [50, 51], p[:7] + [50, 51]],
+        "unrelated-roots": [_seq(rng, 8), _seq(rng, 3), [5], [5, 6, 7]],
+        "one-token-trajectories": [[7], [7], [8], [7, 9]],
+    }
+    # node lengths around the delta-rule chunk size (64)
+    trunk = _seq(rng, 63)
+    shapes["chunk-edges-63-64-65"] = [trunk, trunk + [4], trunk + [4, 5], trunk + _seq(rng, 66)]
+    shapes["long-branch-T130"] = [trunk + _seq(rng, 67), trunk[:40] + _seq(rng, 90)]
+    return shapes
+
+
+EDGE = edge_shapes()
+
+
+def check_forest(model, trajectories) -> tuple[float, float]:
+    """Compare tree and per-trajectory logits, log-probs and gradients; return the worst errors."""
+    weights = functional_weights(trajectories, model.config.vocab_size)
+    ref_logits, ref_grads = reference_grads(model, trajectories, weights)
+
+    with torch.no_grad():  # the literal fp32 stock forward, kernels and all
+        stock32 = [stock_logits(model, t) for t in trajectories]
+    model.zero_grad(set_to_none=True)
+    forest = harts.build_forest(trajectories)
+    out = harts.forward(model, forest)
+    loss = 0.0
+    worst_logit = 0.0
+    for i, w in enumerate(weights):
+        logits = out.trajectory_logits(i)
+        assert logits.shape == ref_logits[i].shape
+        worst_logit = max(
+            worst_logit,
+            (logits.detach() - ref_logits[i]).abs().max().item(),
+            (logits.detach() - stock32[i]).abs().max().item(),
+        )
+        loss = loss + (logits * w).sum()
+    loss.backward()
+    errors = grad_relative_errors(param_grads(model), ref_grads)
+    worst_name = max(errors, key=errors.get)
+    assert worst_logit <= LOGIT_ATOL, f"max |logit diff| {worst_logit:.3g} > {LOGIT_ATOL}"
+    assert errors[worst_name] <= GRAD_RTOL, (
+        f"gradient of {worst_name}: relative error {errors[worst_name]:.3g}"
+    )
+
+    with torch.no_grad():
+        for i, t in enumerate(trajectories):
+            ref_lp = torch.log_softmax(ref_logits[i][:-1].float(), -1).gather(
+                1, torch.tensor(t[1:])[:, None]
+            )[:, 0]
+            assert torch.allclose(out.trajectory_logprobs(i), ref_lp, atol=LOGIT_ATOL, rtol=0)
+    return worst_logit, errors[worst_name]
+
+
+@pytest.mark.parametrize("shape", list(EDGE))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edge_shapes(family, shape):
+    check_forest(model_of(family), EDGE[shape])
+
+
+def test_reference_is_sensitive():
+    """The comparison can fail: a one-token change in one trajectory breaks it."""
+    model = model_of("bailing_hybrid")
+    trajs = EDGE["star-P20-G4"]
+    forest = harts.build_forest(trajs)
+    with torch.no_grad():
+        out = harts.forward(model, forest)
+        other = list(trajs[1])
+        other[3] = (other[3] + 1) % VOCAB
+        ref = model(input_ids=torch.tensor([other])).logits[0]
+        assert (out.trajectory_logits(1) - ref).abs().max() > 1e-2
+
+
+@st.composite
+def random_forests(draw):
+    """Trajectories drawn as random walks down a random trie, so prefixes collide often."""
+    n = draw(st.integers(1, 6))
+    alphabet = st.integers(3, 8)  # a small alphabet makes shared prefixes and duplicates likely
+    base = draw(st.lists(alphabet, min_size=1, max_size=24))
+    trajs = []
+    for _ in range(n):
+        cut = draw(st.integers(0, len(base)))
+        tail = draw(st.lists(alphabet, min_size=0 if cut else 1, max_size=12))
+        trajs.append(base[:cut] + tail)
+    return trajs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(trajectories=random_forests())
+def test_random_forests(family, trajectories):
+    check_forest(model_of(family), trajectories)

@@ -1,0 +1,81 @@
+"""The public forward: errors before compute, unsupported models, log-probs, output shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import harts
+from harts.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("bailing_hybrid", seed=3)
+
+
+def _count_embedding_calls(model):
+    calls = []
+    handle = model.model.embed_tokens.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+def test_token_outside_vocabulary_names_trajectory_and_position(model):
+    forest = harts.build_forest([[5, 6, 7], [5, 6, 200, 8]])
+    calls, handle = _count_embedding_calls(model)
+    with pytest.raises(ValueError, match=r"trajectory 1, position 2: token id 200 .*vocab_size=128"):
+        harts.forward(model, forest)
+    handle.remove()
+    assert calls == [], "no model compute may run before the input is validated"
+
+
+def test_unsupported_family_lists_supported():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(
+        ValueError, match="unsupported model family 'gpt2'.*bailing_hybrid.*kimi_linear.*qwen3_next"
+    ):
+        harts.forward(gpt2, harts.build_forest([[1, 2]]))
+
+
+def test_backbone_without_head_is_refused(model):
+    with pytest.raises(ValueError, match="causal LM"):
+        harts.forward(model.model, harts.build_forest([[1, 2]]))
+
+
+def test_forest_type_checked(model):
+    with pytest.raises(TypeError, match="harts Forest"):
+        harts.forward(model, [[1, 2, 3]])
+
+
+def test_supported_families():
+    assert {"bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama"} <= set(
+        harts.supported_families()
+    )
+
+
+def test_output_shapes_and_logprob_rows(model):
+    trajs = [[4, 5, 6, 7], [4, 5, 9], [4, 5, 6, 7]]
+    forest = harts.build_forest(trajs)
+    with torch.no_grad():
+        out = harts.forward(model, forest)
+        assert out.hidden_states.shape == (forest.num_tokens, model.config.hidden_size)
+        assert out.trajectory_logits(1).shape == (3, model.config.vocab_size)
+        assert out.trajectory_logprobs(0).shape == (3,)
+        # the branch token (5) predicts 6 in one child and 9 in the other: one predictor, two rows
+        idx0, idx1 = forest.trajectory_token_indices(0), forest.trajectory_token_indices(1)
+        assert idx0[1] == idx1[1]
+        lp, ent = out.logprobs(torch.stack([idx0[1], idx1[1]]), torch.tensor([6, 9]))
+        full = torch.log_softmax(out.trajectory_logits(0)[1], -1)
+        assert torch.allclose(lp, full[[6, 9]], atol=1e-5)
+        assert torch.allclose(ent, -(full.exp() * full).sum().expand(2), atol=1e-5)
+
+
+def test_flat_layout_matches_tree(model):
+    trajs = [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 10, 11, 12, 13]]
+    with torch.no_grad():
+        tree = harts.forward(model, harts.build_forest(trajs))
+        flat = harts.forward(model, harts.build_forest(trajs, share_prefixes=False))
+        assert flat.hidden_states.shape[0] == sum(map(len, trajs))
+        for i in range(len(trajs)):
+            assert (tree.trajectory_logits(i) - flat.trajectory_logits(i)).abs().max() <= 1e-5
