@@ -8,8 +8,9 @@ parent's final state is the sum over its children by construction.
 
 Shapes: q, k [N, H, K]; v [N, H, V]; g [N, H, K] (log decay per key channel; GDN's per-head gate
 is expanded over K by the caller); beta [N, H]. Returns o [N, H, V] and the final state [H, K, V]
-of every node the plan ends a segment at. ``initial_states`` supplies the states of nodes outside
-the plan (a parent computed in an earlier micro-batch).
+of every node of the plan. ``root_states`` supplies the initial state of segments that start at a
+node without a parent in the plan (``init_node == -1``), keyed by that node: the final state of
+its parent in an earlier micro-batch. Missing entries start from zeros.
 """
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ def tree_gated_delta_rule(
     beta: torch.Tensor,
     plan: LinearPlan,
     scale: float | None = None,
-    initial_states: dict[int, torch.Tensor] | None = None,
+    root_states: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     n, h, dk = k.shape
     dv = v.shape[-1]
-    states: dict[int, torch.Tensor] = dict(initial_states or {})
+    states: dict[int, torch.Tensor] = {}
+    root_states = root_states or {}
     outputs = []
     zero_state = torch.zeros(1, h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     for call in plan.calls:
         idx = call.token_index
         init = torch.cat(
-            [states[node].unsqueeze(0) if node >= 0 else zero_state for node in call.init_node], dim=0
+            [
+                states[node][None] if node >= 0 else root_states.get(start, zero_state[0])[None]
+                for node, start in zip(call.init_node, call.start_node, strict=True)
+            ],
+            dim=0,
         )
         o, final = chunked_gated_delta_rule(
             q[idx], k[idx], v[idx], g[idx], beta[idx], initial_state=init, lengths=call.lengths, scale=scale

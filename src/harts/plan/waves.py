@@ -29,13 +29,16 @@ class LinearCall:
 
     - ``token_index`` [W, T]: unique-token index of each slot (0 where padded);
     - ``lengths`` [W]: true segment lengths;
-    - ``init_node`` list[W]: node whose final state starts the segment, -1 for zeros;
+    - ``init_node`` list[W]: node whose final state starts the segment, -1 for a root (zeros, or
+      a state handed over from an earlier micro-batch);
+    - ``start_node`` list[W]: first node of each segment;
     - ``end_node`` list[W]: node whose final state this segment produces.
     """
 
     token_index: torch.Tensor
     lengths: torch.Tensor
     init_node: list[int]
+    start_node: list[int]
     end_node: list[int]
 
     @property
@@ -48,7 +51,13 @@ class LinearCall:
         return int(self.token_index.numel() - self.lengths.sum())
 
     def to(self, device) -> LinearCall:
-        return LinearCall(self.token_index.to(device), self.lengths.to(device), self.init_node, self.end_node)
+        return LinearCall(
+            self.token_index.to(device),
+            self.lengths.to(device),
+            self.init_node,
+            self.start_node,
+            self.end_node,
+        )
 
 
 @dataclass
@@ -91,6 +100,7 @@ def depth_wave_plan(forest: Forest) -> LinearPlan:
                 token_index=index,
                 lengths=lengths,
                 init_node=forest.node_parent[nodes].tolist(),
+                start_node=nodes.tolist(),
                 end_node=nodes.tolist(),
             )
         )
