@@ -1,0 +1,193 @@
+"""Grouped tree attention against the dense-mask form and against causal SDPA per trajectory.
+
+A forest's nodes become the plan's nodes; with ``cut`` > 0 the first ``cut`` nodes (pre-order)
+are external: their tokens exist only as keys (computed in an earlier micro-batch), so the key
+space is larger than the query space and query rows are shifted by the external token count.
+Outputs and gradients of q, k, v are compared in float64; one float32 case runs the flash path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import harts
+from harts.ops.tree_attention import (
+    masked_tree_attention,
+    plan_reference_mask,
+    plan_tree_attention,
+    tree_attention,
+)
+
+ATOL_OUT = 1e-10
+ATOL_GRAD = 1e-10
+SCALE = 0.35
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: on a shared 2-core machine, intra-op threads spin-wait far longer than they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _seq(start, n):
+    return list(range(start, start + n))
+
+
+FORESTS = {
+    "chain-N3-T30": [_seq(1, 10), _seq(1, 20), _seq(1, 30)],
+    "star-P40-G6": [_seq(1, 40) + [100 + g] * (3 + g) for g in range(6)],
+    "deep-binary-D5-S3": [
+        [t for d in range(5) for t in ([2 * d + ((b >> d) & 1)] * 3)] for b in range(32)
+    ],
+    "one-token-nodes-D4": [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7, 8], [1, 7, 9, 10], [11]],
+    "long-P700-G3": [_seq(1, 700) + _seq(1000 * g, 20 + 90 * g) for g in range(1, 4)],
+    "roots-R4": [_seq(1, 15), _seq(1, 9) + [50, 51], [60] * 7, [70, 71], [70, 72, 73]],
+}
+
+
+def _ancestor_keys(forest):
+    """Per node: key rows (= forest token indices) of all tokens on its ancestors, root first."""
+    starts, lengths = forest.node_start.tolist(), forest.node_length.tolist()
+    keys = []
+    for p in forest.node_parent.tolist():  # parents come first, so keys[p] is ready
+        own = torch.arange(starts[p], starts[p] + lengths[p]) if p >= 0 else None
+        keys.append(torch.empty(0, dtype=torch.long) if p < 0 else torch.cat([keys[p], own]))
+    return keys
+
+
+def _plan_args(forest, cut):
+    """Plan arguments for nodes ``[cut, M)``: keys are all forest tokens, queries start at node ``cut``."""
+    ext = int(forest.node_start[cut])
+    nodes = slice(cut, forest.num_nodes)
+    return dict(
+        node_query_start=forest.node_start[nodes] - ext,
+        node_length=forest.node_length[nodes],
+        node_key_start=forest.node_start[nodes],
+        node_ancestor_keys=_ancestor_keys(forest)[nodes],
+        num_queries=forest.num_tokens - ext,
+        num_keys=forest.num_tokens,
+    ), ext
+
+
+def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=torch.float64,
+           tol=(ATOL_OUT, ATOL_GRAD)):
+    atol, atol_grad = tol
+    torch.manual_seed(0)
+    forest = harts.build_forest(trajectories)
+    args, ext = _plan_args(forest, cut)
+    n, m = args["num_queries"], args["num_keys"]
+    h, hkv = heads
+    q = torch.randn(h, n, dk, dtype=dtype, requires_grad=True)
+    k = torch.randn(hkv, m, dk, dtype=dtype, requires_grad=True)
+    v = torch.randn(hkv, m, dv, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, h, dv, dtype=dtype)
+    plan = plan_tree_attention(**args, max_group_tokens=budget)
+    out = tree_attention(q, k, v, plan, SCALE)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+
+    # reference 1: the dense [n, m] mask of the same plan arguments
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = masked_tree_attention(q64, k64, v64, plan_reference_mask(**args), SCALE)
+    ref_grads = torch.autograd.grad((ref * w.double()).sum(), (q64, k64, v64))
+    assert torch.allclose(out.double(), ref, atol=atol, rtol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g.double(), r, atol=atol_grad, rtol=0)
+
+    # reference 2: causal SDPA on each trajectory alone; external rows get queries of their own
+    q_full = torch.cat([torch.randn(h, ext, dk, dtype=torch.float64), q64], dim=1)
+    w_full = torch.cat([torch.zeros(ext, h, dv, dtype=torch.float64), w.double()])
+    loss = 0.0
+    for i in range(forest.num_trajectories):
+        idx = forest.trajectory_token_indices(i)
+        y = F.scaled_dot_product_attention(
+            q_full[:, idx], k64[:, idx].repeat_interleave(h // hkv, 0),
+            v64[:, idx].repeat_interleave(h // hkv, 0), is_causal=True, scale=SCALE,
+        ).transpose(0, 1)
+        mine = idx >= ext
+        assert torch.allclose(out.double()[idx[mine] - ext], y[mine], atol=atol, rtol=0)
+        # shared rows are summed over the trajectories through them, so weight by 1 / multiplicity
+        loss = loss + (y * w_full[idx] / forest.token_multiplicity[idx][:, None, None]).sum()
+    traj_grads = torch.autograd.grad(loss, (q_full, k64, v64))
+    traj_grads = (traj_grads[0][:, ext:],) + traj_grads[1:]
+    for g, r in zip(grads, traj_grads, strict=True):
+        assert torch.allclose(g.double(), r, atol=atol_grad, rtol=0)
+    return plan
+
+
+@pytest.mark.parametrize("name", list(FORESTS))
+def test_tree_attention_matches_references(name):
+    _check(FORESTS[name])
+
+
+@pytest.mark.parametrize("name", ["star-P40-G6", "deep-binary-D5-S3", "long-P700-G3"])
+def test_tree_attention_small_group_budget(name):
+    plan = _check(FORESTS[name], budget=2048)
+    assert len(plan.groups) > 1
+
+
+@pytest.mark.parametrize("name,cut", [("star-P40-G6", 1), ("deep-binary-D5-S3", 3), ("roots-R4", 2),
+                                      ("long-P700-G3", 1)])
+def test_tree_attention_external_keys(name, cut):
+    _check(FORESTS[name], cut=cut)
+
+
+@pytest.mark.parametrize("heads,dk,dv", [((4, 4), 8, 8), ((4, 1), 6, 10), ((6, 2), 8, 3)],
+                         ids=["H4-Hkv4-K8-V8", "H4-Hkv1-K6-V10", "H6-Hkv2-K8-V3"])
+def test_tree_attention_heads_and_widths(heads, dk, dv):
+    _check(FORESTS["deep-binary-D5-S3"], cut=2, heads=heads, dk=dk, dv=dv)
+
+
+def test_tree_attention_float32_flash_path():
+    """Dk == Dv in float32 takes CPU flash attention, where the padding channel must still be exact."""
+    _check(FORESTS["long-P700-G3"], cut=1, heads=(4, 2), dk=16, dv=16, dtype=torch.float32, tol=(2e-5, 2e-5))
+
+
+def test_plan_cost_is_near_exact():
+    # agentic shape, scaled down: a 960-token root, 8 children of 120, each with 2 children of 60
+    trajs = [_seq(1, 960) + _seq(2000 + 200 * c, 120) + [5000 + 2 * c + g] * 60
+             for c in range(8) for g in range(2)]
+    forest = harts.build_forest(trajs)
+    args, _ = _plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    positions = forest.token_position
+    assert plan.exact_cost == int((positions + 1).sum())
+    assert plan.padded_cost <= 1.5 * plan.exact_cost
+
+
+@pytest.mark.parametrize("trajs", [[[3]], [[7], [7], [8], [7, 9]]], ids=["lone-token", "one-token-trajs"])
+def test_lone_key_gives_exactly_zero_query_gradient(trajs):
+    """A query with a single key returns that value; in exact arithmetic its query gradient is zero."""
+    forest = harts.build_forest(trajs)
+    args, _ = _plan_args(forest, 0)
+    q, k, v = (torch.randn(2, forest.num_tokens, 8, requires_grad=True) for _ in range(3))
+    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    (dq,) = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q,))
+    first = forest.token_position == 0
+    assert torch.equal(out[first], v[:, first].detach().transpose(0, 1))
+    assert dq[:, first].abs().max() == 0
+
+
+def test_plan_rejects_uncovered_queries():
+    args, _ = _plan_args(harts.build_forest(FORESTS["star-P40-G6"]), 0)
+    args["num_queries"] += 1
+    args["num_keys"] += 1
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_tree_attention(**args)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    trajs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=8),
+    cut_frac=st.floats(0, 0.9),
+    budget=st.sampled_from([None, 64, 600]),
+)
+def test_tree_attention_random_forests(trajs, cut_frac, budget):
+    forest = harts.build_forest(trajs)
+    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget)
