@@ -2,13 +2,17 @@
 
 Each call of a :class:`~harts.plan.waves.LinearPlan` gathers its segments into a right-padded
 batch, starts each segment from the fp32 final state of its ``init_node`` (zeros at roots), runs
-the chunked kernel once, and keeps every segment's final state for the calls after it. The
-states are ordinary tensors in the autograd graph, never written in place, so the gradient of a
-parent's final state is the sum over its children by construction.
+the chunked kernel once, and keeps the final state of every node it ran for the calls after it:
+the segment's final state for its ``end_node``, and, for a segment that runs a chain of nodes,
+the states after each inner node (``boundary_offsets``, via the kernel's ``output_states_at``,
+which replays the chunk that holds the boundary from its chunk-start state: exact, no alignment
+of chunks to nodes needed). The states are ordinary tensors in the autograd graph, never written
+in place, so the gradient of a parent's final state is the sum over its children by construction.
 
 Shapes: q, k [N, H, K]; v [N, H, V]; g [N, H, K] (log decay per key channel; GDN's per-head gate
 is expanded over K by the caller); beta [N, H]. Returns o [N, H, V] and the final state [H, K, V]
-of every node of the plan. ``root_states`` supplies the initial state of segments that start at a
+of every node of the plan (inner chain nodes included: children in later calls and later
+micro-batches read them). ``root_states`` supplies the initial state of segments that start at a
 node without a parent in the plan (``init_node == -1``), keyed by that node: the final state of
 its parent in an earlier micro-batch. Missing entries start from zeros.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.delta_rule import chunked_gated_delta_rule
+from harts.ops.backends import current_backend
 from harts.plan.waves import LinearPlan
 
 __all__ = ["tree_gated_delta_rule"]
@@ -35,22 +39,33 @@ def tree_gated_delta_rule(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     n, h, dk = k.shape
     dv = v.shape[-1]
+    if n != plan.num_tokens:
+        raise ValueError(f"the plan covers {plan.num_tokens} tokens but k has {n} rows (k: {tuple(k.shape)})")
+    kernel = current_backend().delta_rule
     states: dict[int, torch.Tensor] = {}
     root_states = root_states or {}
     outputs = []
-    zero_state = torch.zeros(1, h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    zero_state = torch.zeros(h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     for call in plan.calls:
         idx = call.token_index
-        init = torch.cat(
+        init = torch.stack(
             [
-                states[node][None] if node >= 0 else root_states.get(start, zero_state[0])[None]
+                states[node] if node >= 0 else root_states.get(start, zero_state)
                 for node, start in zip(call.init_node, call.start_node, strict=True)
             ],
             dim=0,
         )
-        o, final = chunked_gated_delta_rule(
-            q[idx], k[idx], v[idx], g[idx], beta[idx], initial_state=init, lengths=call.lengths, scale=scale
-        )
+        args = (q[idx], k[idx], v[idx], g[idx], beta[idx])
+        if call.num_boundaries:
+            o, final, inner = kernel(
+                *args, initial_state=init, lengths=call.lengths, scale=scale,
+                output_states_at=call.boundary_offsets,
+            )  # fmt: skip
+            for w, nodes in enumerate(call.boundary_nodes):
+                for s, node in enumerate(nodes):
+                    states[node] = inner[w, s]
+        else:
+            o, final = kernel(*args, initial_state=init, lengths=call.lengths, scale=scale)
         for w, node in enumerate(call.end_node):
             states[node] = final[w]
         outputs.append(o[call.valid])

@@ -6,21 +6,51 @@ state, right-padded to the longest segment (padding is neutral: k = v = 0, beta 
 leave the state unchanged). A plan is a list of calls in which every segment's initial state is
 produced by an earlier call.
 
-``depth_wave_plan``: one call per tree depth, each node its own segment. Simple and always valid;
-its number of calls is the forest's depth plus one.
+- ``depth_wave_plan``: one call per tree depth, each node its own segment. Simple and always
+  valid; its number of calls is the forest's depth plus one.
+- ``chain_plan``: a segment runs a chain of nodes (a parent continues into its "heavy" child) and
+  the kernel also emits the states at the node boundaries inside the segment. The fewest calls
+  then follow from one post-order pass (:func:`min_calls`, the Horton-Strahler order), at most
+  log2(leaves) + 1 against the depth plus one of the depth plan. With a call budget K, chains
+  continue only where the budget forces them: plans between the two extremes.
+- ``plan_linear``: depth, fewest-calls chain, or for ``"auto"`` the plan that
+  :class:`LinearCostModel` says is cheapest among depth, fewest-calls and every budget between.
+  Fewer calls are not always faster: a chain segment pads every other segment of its call to its
+  own length, and its chunk steps run one after the other.
 
-What this leaves out: chain segments spanning several nodes (fewer calls), and cost models.
+What this leaves out: placing a chain later than its parent allows (it always starts one call
+after its parent's chain), and packing several short segments into one row of a call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
 
+import numpy as np
 import torch
 
 from harts.forest import Forest
 
-__all__ = ["LinearCall", "LinearPlan", "depth_wave_plan"]
+__all__ = [
+    "LinearCall",
+    "LinearCostModel",
+    "LinearPlan",
+    "PlanMode",
+    "chain_plan",
+    "depth_wave_plan",
+    "min_calls",
+    "plan_linear",
+]
+
+
+class PlanMode(StrEnum):
+    """How :func:`plan_linear` cuts a forest into calls."""
+
+    AUTO = "auto"  # the cheaper of DEPTH and CHAIN under the cost model
+    DEPTH = "depth"  # one call per depth level, one node per segment
+    CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
 
 
 @dataclass
@@ -32,7 +62,11 @@ class LinearCall:
     - ``init_node`` list[W]: node whose final state starts the segment, -1 for a root (zeros, or
       a state handed over from an earlier micro-batch);
     - ``start_node`` list[W]: first node of each segment;
-    - ``end_node`` list[W]: node whose final state this segment produces.
+    - ``end_node`` list[W]: last node of each segment, whose final state the segment ends with;
+    - ``boundary_nodes`` list[W] of lists: the nodes of each segment before ``end_node``, in path
+      order (empty for one-node segments); their final states are emitted inside the segment;
+    - ``boundary_offsets`` [W, S]: token count within the segment at which each boundary node
+      ends (S = the most boundary nodes of any segment; unused columns hold the segment length).
     """
 
     token_index: torch.Tensor
@@ -40,6 +74,14 @@ class LinearCall:
     init_node: list[int]
     start_node: list[int]
     end_node: list[int]
+    boundary_nodes: list[list[int]] = field(default=None)  # type: ignore[assignment]
+    boundary_offsets: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.boundary_nodes is None:
+            self.boundary_nodes = [[] for _ in self.start_node]
+        if self.boundary_offsets is None:
+            self.boundary_offsets = torch.zeros(len(self.start_node), 0, dtype=torch.long)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -48,7 +90,13 @@ class LinearCall:
 
     @property
     def padded_tokens(self) -> int:
+        """Padding slots: W x T minus the real tokens."""
         return int(self.token_index.numel() - self.lengths.sum())
+
+    @property
+    def num_boundaries(self) -> int:
+        """S: columns of ``boundary_offsets`` (inner node boundaries of the longest chain)."""
+        return int(self.boundary_offsets.shape[1])
 
     def to(self, device) -> LinearCall:
         return LinearCall(
@@ -57,13 +105,55 @@ class LinearCall:
             self.init_node,
             self.start_node,
             self.end_node,
+            self.boundary_nodes,
+            self.boundary_offsets.to(device),
         )
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """Cost of a plan in *token slots*: one token position of a call through the chunked kernel.
+
+    A call of W segments, T tokens and S inner boundaries costs
+    ``W * ceil(T / C) * C`` slots (padding included: the kernel pads to whole chunks too),
+    ``+ step_cost * ceil(T / C)`` (the state recurrence runs chunk after chunk, so the longest
+    segment sets the call's critical path), ``+ boundary_cost * W * S`` (each emitted inner state
+    replays one chunk), ``+ call_cost`` (gathers, per-call setup, kernel launches).
+
+    Defaults: fwd+bwd of ``chunked_gated_delta_rule`` on one CPU thread, H = 4, K = V = 32, where
+    a slot takes about 50-60 us, a boundary about 5 slots, and the per-step and per-call terms
+    were below the noise of a least-squares fit (a few slots; kept small and positive so ties go
+    to fewer calls and shorter critical paths). On a GPU slots are nearly free until the device
+    is full and calls and steps dominate: refit there before trusting AUTO.
+    """
+
+    chunk_size: int = 64
+    step_cost: float = 4.0
+    boundary_cost: float = 5.0
+    call_cost: float = 16.0
+
+    def shape(self, w: int, t: int, s: int = 0) -> float:
+        """Cost of one call of W segments, T tokens, S inner boundaries."""
+        steps = max(1, math.ceil(t / self.chunk_size))
+        return (
+            w * steps * self.chunk_size + self.step_cost * steps + self.boundary_cost * w * s + self.call_cost
+        )
+
+    def call(self, call: LinearCall) -> float:
+        w, t = call.token_index.shape
+        return self.shape(w, t, call.num_boundaries)
+
+    def plan(self, plan: LinearPlan) -> float:
+        return float(sum(self.call(c) for c in plan.calls))
 
 
 @dataclass
 class LinearPlan:
+    """Calls in run order; ``mode`` names the planner that made them (never AUTO)."""
+
     calls: list[LinearCall]
     num_tokens: int
+    mode: PlanMode = PlanMode.DEPTH
 
     @property
     def num_calls(self) -> int:
@@ -71,10 +161,16 @@ class LinearPlan:
 
     @property
     def padded_tokens(self) -> int:
+        """Padding slots over all calls (sum of W x T_max minus real tokens)."""
         return sum(c.padded_tokens for c in self.calls)
 
+    @property
+    def cost(self) -> float:
+        """Estimated cost in token slots under the default :class:`LinearCostModel`."""
+        return LinearCostModel().plan(self)
+
     def to(self, device) -> LinearPlan:
-        return LinearPlan([c.to(device) for c in self.calls], self.num_tokens)
+        return LinearPlan([c.to(device) for c in self.calls], self.num_tokens, self.mode)
 
     def output_order(self) -> torch.Tensor:
         """[N] position of each unique token in the concatenation of the calls' valid slots."""
@@ -104,4 +200,186 @@ def depth_wave_plan(forest: Forest) -> LinearPlan:
                 end_node=nodes.tolist(),
             )
         )
-    return LinearPlan(calls, forest.num_tokens)
+    return LinearPlan(calls, forest.num_tokens, PlanMode.DEPTH)
+
+
+def min_calls(forest: Forest) -> tuple[list[int], list[int]]:
+    """Fewest calls per subtree and the heavy child of every node, from one post-order pass.
+
+    f(leaf) = 1 and f(v) = max(f(c*), 1 + max over other children f(c)), with c* the child of
+    largest f: v's chain continues into c* inside v's call, every other child starts a chain in a
+    later call. This is the Horton-Strahler stream order (Horton 1945, Strahler 1952) up to its
+    tie rule: two children of equal top order raise the parent's order by one, so
+    f <= log2(leaves) + 1. Ties between children of equal f go to the longer heavy path in tokens,
+    so the long path stays in one segment of the early calls, where it pads the fewest others.
+
+    Returns (f [M], heavy [M], -1 for leaves). Nodes are stored parents first, so a reverse scan
+    sees every child before its parent.
+    """
+    m = forest.num_nodes
+    parent = forest.node_parent.tolist()
+    length = forest.node_length.tolist()
+    f = [1] * m
+    heavy = [-1] * m
+    path = [0] * m  # tokens along the heavy path from the node down to its leaf
+    second = [0] * m  # largest f among the children other than heavy
+    for v in range(m - 1, -1, -1):
+        h = heavy[v]
+        if h >= 0:
+            f[v] = max(f[h], second[v] + 1)
+            path[v] = length[v] + path[h]
+        else:
+            path[v] = length[v]
+        p = parent[v]
+        if p < 0:
+            continue
+        hp = heavy[p]
+        if hp < 0:
+            heavy[p] = v
+        elif (f[v], path[v]) > (f[hp], path[hp]):
+            second[p] = max(second[p], f[hp])
+            heavy[p] = v
+        else:
+            second[p] = max(second[p], f[v])
+    return f, heavy
+
+
+def chain_plan(forest: Forest, max_calls: int | None = None) -> LinearPlan:
+    """Segments are heavy-child chains; every chain starts one call after its parent's chain.
+
+    ``max_calls=None``: the fewest calls, max over roots of f(root) (:func:`min_calls`); every
+    node continues into its heavy child, so segments are as long as they can be.
+    ``max_calls=K`` (K >= the fewest): at most K calls, and a node continues into its heavy child
+    only where the budget forces it (the child's f equals the calls left to the node), so
+    segments stay as short, and calls as evenly padded, as K allows; K = depth + 1 cuts every
+    chain (the depth plan's segments). :func:`plan_linear` searches over K with the cost model.
+    """
+    f, heavy = min_calls(forest)
+    chains, chain_call = _chains(forest, f, heavy, max_calls)
+    parent = forest.node_parent.tolist()
+    by_call: list[list[list[int]]] = [[] for _ in range(max(chain_call) + 1)]
+    for nodes, c in zip(chains, chain_call, strict=True):
+        by_call[c].append(nodes)
+    starts, lengths = forest.node_start.numpy(), forest.node_length.numpy()
+    calls = [_chain_call(segs, parent, starts, lengths) for segs in by_call]
+    return LinearPlan(calls, forest.num_tokens, PlanMode.CHAIN)
+
+
+def _chains(
+    forest: Forest, f: list[int], heavy: list[int], max_calls: int | None
+) -> tuple[list[list[int]], list[int]]:
+    """Chains (node lists in path order) and the call of each, in one top-down pass.
+
+    A node continues its parent's chain (same call, same budget) when it is the parent's heavy
+    child and either there is no budget (fewest calls) or the budget forces it; any other child
+    starts a chain in the next call with one call less to spend. Children never need more than
+    they get: a non-heavy child has f <= f(parent) - 1 <= budget - 1.
+    """
+    parent = forest.node_parent.tolist()
+    m = forest.num_nodes
+    roots = [r for r in range(m) if parent[r] < 0]
+    fewest = max(f[r] for r in roots)
+    if max_calls is not None and max_calls < fewest:
+        raise ValueError(f"max_calls={max_calls} is below the fewest calls this forest needs ({fewest})")
+    budget = [max_calls or fewest] * m
+    chain_of = list(range(m))
+    call_of = [0] * m
+    chains: list[list[int]] = []
+    chain_call: list[int] = []
+    for v in range(m):  # parents first
+        p = parent[v]
+        if p >= 0 and heavy[p] == v and (max_calls is None or f[v] >= budget[p]):
+            chain_of[v], call_of[v], budget[v] = chain_of[p], call_of[p], budget[p]
+            chains[chain_of[v]].append(v)
+            continue
+        if p >= 0:
+            call_of[v], budget[v] = call_of[p] + 1, budget[p] - 1
+        chain_of[v] = len(chains)
+        chains.append([v])
+        chain_call.append(call_of[v])
+    return chains, chain_call
+
+
+def _call_shapes(
+    chains: list[list[int]], chain_call: list[int], lengths: list[int]
+) -> list[tuple[int, int, int]]:
+    """(W, T, S) of each call of a chain assignment: what the cost model needs, without gathers."""
+    shapes: dict[int, list[int]] = {}
+    for nodes, c in zip(chains, chain_call, strict=True):
+        w_t_s = shapes.setdefault(c, [0, 0, 0])
+        w_t_s[0] += 1
+        w_t_s[1] = max(w_t_s[1], sum(lengths[v] for v in nodes))
+        w_t_s[2] = max(w_t_s[2], len(nodes) - 1)
+    return [tuple(shapes[c]) for c in sorted(shapes)]
+
+
+def _chain_call(
+    segs: list[list[int]], parent: list[int], starts: np.ndarray, lengths: np.ndarray
+) -> LinearCall:
+    """Gather W chains into one right-padded call, with their inner boundary offsets."""
+    nodes = np.asarray([v for seg in segs for v in seg], dtype=np.int64)
+    seg_of = np.repeat(np.arange(len(segs)), [len(s) for s in segs])
+    node_len = lengths[nodes]
+    seg_len = np.bincount(seg_of, weights=node_len, minlength=len(segs)).astype(np.int64)
+    # Offset of each node inside its segment: inclusive cumsum, minus the segment's earlier total.
+    ends = np.cumsum(node_len)
+    seg_base = np.cumsum(seg_len) - seg_len
+    node_end = ends - seg_base[seg_of]  # token count at the node's end, inside its segment
+    t = int(seg_len.max())
+    index = np.zeros((len(segs), t), dtype=np.int64)
+    tok_seg = np.repeat(seg_of, node_len)
+    tok_pos = np.arange(int(node_len.sum())) - np.repeat(seg_base[seg_of], node_len)
+    index[tok_seg, tok_pos] = (
+        np.arange(int(node_len.sum()))
+        - np.repeat(ends - node_len, node_len)
+        + np.repeat(starts[nodes], node_len)
+    )
+    s = max(len(seg) for seg in segs) - 1
+    offsets = np.repeat(seg_len[:, None], s, axis=1)
+    boundary_nodes = [seg[:-1] for seg in segs]
+    pos = 0
+    for w, seg in enumerate(segs):
+        offsets[w, : len(seg) - 1] = node_end[pos : pos + len(seg) - 1]
+        pos += len(seg)
+    return LinearCall(
+        token_index=torch.from_numpy(index),
+        lengths=torch.from_numpy(seg_len),
+        init_node=[parent[seg[0]] for seg in segs],
+        start_node=[seg[0] for seg in segs],
+        end_node=[seg[-1] for seg in segs],
+        boundary_nodes=boundary_nodes,
+        boundary_offsets=torch.from_numpy(offsets),
+    )
+
+
+def plan_linear(
+    forest: Forest, mode: PlanMode | str = PlanMode.AUTO, cost_model: LinearCostModel | None = None
+) -> LinearPlan:
+    """The linear-attention plan of ``mode``; for AUTO, the cheapest under ``cost_model``.
+
+    AUTO costs, from call shapes alone (no gathers), the depth plan, the fewest-calls chain plan,
+    and the budgeted chain plans for every budget between the fewest calls and the depth (each
+    one O(nodes)), and builds the cheapest; ties go to fewer calls. With cheap calls (CPU) that is
+    usually the least padded plan; with dear calls (GPU launches) the one with fewest calls.
+    """
+    try:
+        mode = PlanMode(mode)
+    except ValueError:
+        raise ValueError(
+            f"unknown plan mode {mode!r}; expected one of {[m.value for m in PlanMode]}"
+        ) from None
+    if mode is PlanMode.DEPTH:
+        return depth_wave_plan(forest)
+    if mode is PlanMode.CHAIN:
+        return chain_plan(forest)
+    model = cost_model or LinearCostModel()
+    f, heavy = min_calls(forest)
+    lengths = forest.node_length.tolist()
+    roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
+    # (plan, budget, call shapes); budget None with "chain" is the fewest-calls plan.
+    one_node_chains = [[v] for v in range(forest.num_nodes)]
+    candidates = [(PlanMode.DEPTH, None, _call_shapes(one_node_chains, forest.node_depth.tolist(), lengths))]
+    for budget in [None, *range(max(f[r] for r in roots), forest.max_depth + 1)]:
+        candidates.append((PlanMode.CHAIN, budget, _call_shapes(*_chains(forest, f, heavy, budget), lengths)))
+    best, budget, _ = min(candidates, key=lambda c: (sum(model.shape(*s) for s in c[2]), len(c[2])))
+    return depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget)
