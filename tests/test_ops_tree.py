@@ -15,7 +15,7 @@ import harts
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 from harts.ops.logprobs import plain_token_logprobs, token_logprobs
 from harts.ops.short_conv import tree_short_conv
-from harts.ops.tree_attention import blockwise_tree_attention
+from harts.ops.tree_attention import tree_attention
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
 
@@ -44,7 +44,7 @@ def test_tree_attention_equals_causal_per_trajectory(name):
     q = torch.randn(4, n, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, n, 5, dtype=torch.float64, requires_grad=True)
-    out = blockwise_tree_attention(q, k, v, layout.attention_blocks, scaling=0.3)
+    out = tree_attention(q, k, v, layout.attention_plan, scaling=0.3)
     w = torch.randn_like(out)
     got_grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     ref_loss = 0.0

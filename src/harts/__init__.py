@@ -7,6 +7,18 @@ same logits, loss and gradients as training each trajectory on its own.
 from harts.adapters.base import supported_families
 from harts.executor import TreeOutput, forward
 from harts.forest import Forest, build_forest
+from harts.plan.micro_batches import plan_micro_batches
+from harts.step import StepResult, forest_backward, next_token_rows
 
-__all__ = ["Forest", "TreeOutput", "build_forest", "forward", "supported_families"]
+__all__ = [
+    "Forest",
+    "StepResult",
+    "TreeOutput",
+    "build_forest",
+    "forest_backward",
+    "forward",
+    "next_token_rows",
+    "plan_micro_batches",
+    "supported_families",
+]
 __version__ = "0.1.0"

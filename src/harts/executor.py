@@ -6,8 +6,9 @@ norms, MLP/MoE blocks and parameters, replaces only the token mixers by their tr
 final hidden state of every unique token. Logits are formed only on request: per trajectory, or
 as log-probs of chosen targets computed once per unique predicting token, in row chunks.
 
-What this leaves out: micro-batch budgets and tree splitting, and losses (see
-:mod:`harts.objectives`).
+``run_layout`` is the same pass over one micro-batch of a cut forest: it reads the keys/values,
+conv inputs and states handed over by earlier micro-batches and returns what it hands on
+(:mod:`harts.step` drives it). Losses live in :mod:`harts.objectives`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import harts.adapters.families  # noqa: F401  (registers the supported families)
-from harts.adapters.base import MixerContext, adapter_for
+from harts.adapters.base import LayerHandoff, MixerContext, adapter_for
 from harts.forest import Forest
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, token_logprobs
 from harts.plan.layout import TreeLayout
@@ -86,26 +87,28 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def forward(model: nn.Module, forest: Forest) -> TreeOutput:
-    """Run ``model`` (a supported ``*ForCausalLM``) over every unique token of ``forest`` once.
-
-    Raises ValueError before any compute for an unsupported model or a token id outside the
-    model's vocabulary (naming the trajectory and position).
-    """
-    adapter = adapter_for(model)
+def check_inputs(model: nn.Module, forest: Forest) -> None:
+    """Raise before any compute for an unsupported model or a token id outside the vocabulary."""
+    adapter_for(model)
     if not isinstance(forest, Forest):
         raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
     forest.check_vocabulary(model.config.vocab_size)
+
+
+def run_layout(
+    model: nn.Module, layout: TreeLayout, external: list[LayerHandoff] | None = None
+) -> tuple[torch.Tensor, list[LayerHandoff]]:
+    """Final hidden states [n, D] of the layout's tokens, and what each layer hands on."""
+    adapter = adapter_for(model)
     backbone = adapter.backbone(model)
     layers = backbone.layers[: model.config.num_hidden_layers]
     mixers = [adapter.mixer(layer, adapter.layer_type(model, i)) for i, layer in enumerate(layers)]
-
-    layout = TreeLayout(forest, _model_device(model))
-    hidden = backbone.embed_tokens(layout.tokens)[None]  # [1, N, D]
+    hidden = backbone.embed_tokens(layout.tokens)[None]  # [1, n, D]
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
-    ctx = MixerContext(layout=layout, position_embeddings=position_embeddings)
-    for layer, (module, mixer) in zip(layers, mixers, strict=True):
+    ctx = MixerContext(layout, position_embeddings, external)
+    for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
+        ctx.begin_layer(index)
         residual = hidden
         hidden = residual + mixer(module, layer.input_layernorm(hidden), ctx)
         residual = hidden
@@ -113,5 +116,16 @@ def forward(model: nn.Module, forest: Forest) -> TreeOutput:
         if isinstance(mlp_out, tuple):
             mlp_out = mlp_out[0]
         hidden = residual + mlp_out
-    hidden = backbone.norm(hidden)
-    return TreeOutput(hidden[0], forest, model.lm_head, layout)
+    return backbone.norm(hidden)[0], ctx.exports
+
+
+def forward(model: nn.Module, forest: Forest) -> TreeOutput:
+    """Run ``model`` (a supported ``*ForCausalLM``) over every unique token of ``forest`` once.
+
+    Raises ValueError before any compute for an unsupported model or a token id outside the
+    model's vocabulary (naming the trajectory and position).
+    """
+    check_inputs(model, forest)
+    layout = TreeLayout(forest, _model_device(model))
+    hidden, _ = run_layout(model, layout)
+    return TreeOutput(hidden, forest, model.lm_head, layout)

@@ -17,22 +17,104 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from harts.ops.backends import current_backend
+from harts.ops.short_conv import tree_short_conv
+from harts.ops.tree_delta_rule import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
 
-__all__ = ["MixerContext", "FamilyAdapter", "register", "adapter_for", "supported_families", "hf_function"]
+__all__ = [
+    "LayerHandoff",
+    "MixerContext",
+    "FamilyAdapter",
+    "register",
+    "adapter_for",
+    "supported_families",
+    "hf_function",
+]
 
 
 @dataclass
-class MixerContext:
-    """What a token mixer needs beyond its input: the layout and the rotary cos/sin [1, N, d]."""
+class LayerHandoff:
+    """What one layer hands from a micro-batch to the later ones that continue its paths.
 
-    layout: TreeLayout
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    - ``key`` / ``value`` [Hkv, X, d]: attention keys (after RoPE and norms) and values of tokens;
+    - ``conv_input`` [X, C]: short-convolution inputs of tokens;
+    - ``states``: {global node: final linear-attention state [H, K, V]}.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    conv_input: torch.Tensor | None = None
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for t in (self.key, self.value, self.conv_input) if t is not None]
+        return out + [self.states[n] for n in sorted(self.states)]
+
+
+class MixerContext:
+    """What a token mixer needs beyond its input, and the three sequence ops it calls.
+
+    ``layout`` describes the micro-batch; ``position_embeddings`` are the rotary cos/sin
+    [1, n, d] at path positions; ``layer`` is set by the executor before each layer.
+    ``external[layer]`` holds the context handed over by earlier micro-batches (key space rows
+    0..E-1 for keys/values and conv inputs; states of cut roots' parents); ``exports[layer]``
+    collects what this micro-batch hands on. Mixers never see either: they call
+    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`.
+    """
+
+    def __init__(self, layout: TreeLayout, position_embeddings, external: list[LayerHandoff] | None = None):
+        self.layout = layout
+        self.position_embeddings = position_embeddings
+        self.external = external
+        self.exports: list[LayerHandoff] = []
+        self.layer = -1
+
+    def begin_layer(self, index: int) -> None:
+        self.layer = index
+        self.exports.append(LayerHandoff())
+
+    def _ext(self) -> LayerHandoff | None:
+        return self.external[self.layer] if self.external is not None else None
+
+    def attend(self, query, key, value, scaling: float) -> torch.Tensor:
+        """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv]."""
+        key, value = key[0], value[0]
+        rows = self.layout.export_token_rows
+        if rows.numel():
+            self.exports[-1].key, self.exports[-1].value = key[:, rows], value[:, rows]
+        ext = self._ext()
+        if ext is not None and ext.key is not None:
+            key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
+        return current_backend().attention(query[0], key, value, self.layout.attention_plan, scaling)[None]
+
+    def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
+        """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
+        rows = self.layout.export_token_rows
+        if rows.numel():
+            self.exports[-1].conv_input = mixed[rows]
+        ext = self._ext()
+        if ext is not None and ext.conv_input is not None:
+            mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
+        return tree_short_conv(mixed, weight, self.layout.predecessors(weight.shape[-1]), bias)
+
+    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
+        ext = self._ext()
+        root_states = None
+        if ext is not None and self.layout.root_state_source:
+            root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
+        out, states = tree_gated_delta_rule(
+            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states
+        )
+        for local, glob in self.layout.export_nodes:
+            self.exports[-1].states[glob] = states[local]
+        return out
 
 
 Mixer = Callable[[nn.Module, torch.Tensor, MixerContext], torch.Tensor]

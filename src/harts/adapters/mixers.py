@@ -5,9 +5,11 @@ of a forest, and a :class:`~harts.adapters.base.MixerContext`; it returns the mi
 [1, N, D]. Projections, norms, gates and rotary embeddings are the module's own, applied in the
 order of the stock forward; only the sequence mixing is replaced:
 
-- attention by :func:`harts.ops.tree_attention.blockwise_tree_attention` (each token sees its path),
-- the short convolution by :func:`harts.ops.short_conv.tree_short_conv` (windows along paths),
-- the delta rule by :func:`harts.ops.tree_delta_rule.tree_gated_delta_rule` (state handoff).
+- attention by ``ctx.attend`` (each token sees its path),
+- the short convolution by ``ctx.conv`` (windows along paths),
+- the delta rule by ``ctx.delta_rule`` (state handoff from parent to child).
+
+The context also hands keys/values, conv inputs and states across micro-batch cuts.
 """
 
 from __future__ import annotations
@@ -17,16 +19,8 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from harts.adapters.base import MixerContext, hf_function
-from harts.ops.short_conv import tree_short_conv
-from harts.ops.tree_attention import blockwise_tree_attention
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
 
-__all__ = ["attend", "gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer"]
-
-
-def attend(query, key, value, ctx: MixerContext, scaling: float) -> torch.Tensor:
-    """Tree attention of [1, H, N, d] query/key/value tensors; returns [1, N, H, dv]."""
-    return blockwise_tree_attention(query[0], key[0], value[0], ctx.layout.attention_blocks, scaling)[None]
+__all__ = ["gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer"]
 
 
 def gqa_attention(attn, x, ctx: MixerContext, output_gate: bool = False) -> torch.Tensor:
@@ -46,7 +40,7 @@ def gqa_attention(attn, x, ctx: MixerContext, output_gate: bool = False) -> torc
     value = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
     cos, sin = ctx.position_embeddings
     query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
-    out = attend(query, key, value, ctx, attn.scaling).reshape(1, n, -1)
+    out = ctx.attend(query, key, value, attn.scaling).reshape(1, n, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return attn.o_proj(out)
@@ -74,7 +68,7 @@ def mla_attention(attn, x, ctx: MixerContext, rope: bool, head_gate: bool) -> to
         q_rot, k_rot = hf_function(attn, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin)
         query = torch.cat((q_pass, q_rot), dim=-1)
     key, value = attn.expand_kv(kv_nope, k_rot)
-    out = attend(query, key, value, ctx, attn.scaling)  # [1, N, H, dv]
+    out = ctx.attend(query, key, value, attn.scaling)  # [1, N, H, dv]
     if head_gate:
         gate = torch.sigmoid(attn.g_proj(x).float()).to(x.dtype)
         out = out * gate.unsqueeze(-1)
@@ -84,9 +78,7 @@ def mla_attention(attn, x, ctx: MixerContext, rope: bool, head_gate: bool) -> to
 def _conv(module, mixed, ctx: MixerContext) -> torch.Tensor:
     """The module's depthwise causal conv1d and activation, over path windows. mixed: [N, C]."""
     conv = module.conv1d
-    out = tree_short_conv(
-        mixed, conv.weight.squeeze(1), ctx.layout.predecessors(conv.kernel_size[0]), conv.bias
-    )
+    out = ctx.conv(mixed, conv.weight.squeeze(1), conv.bias)
     if module.activation is not None:
         out = ACT2FN[module.activation](out)
     return out.to(mixed.dtype)
@@ -117,10 +109,7 @@ def kda_mixer(attn, x, ctx: MixerContext, output_gate) -> torch.Tensor:
     f = _state_dtype(x)
     g = attn.forget_gate(x)[0].to(f)  # [N, H, K]
     beta = torch.sigmoid(attn.b_proj(x))[0].to(f)  # [N, H]
-    out, _ = tree_gated_delta_rule(
-        _l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta, ctx.layout.linear_plan
-    )
-    out = out.to(x.dtype)
+    out = ctx.delta_rule(_l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta).to(x.dtype)
     gate = output_gate(attn, x).view(1, n, heads, head_dim)
     out = attn.o_norm(out[None], gate).reshape(1, n, -1)
     return attn.o_proj(out)
@@ -144,7 +133,6 @@ def gdn_mixer(attn, x, ctx: MixerContext) -> torch.Tensor:
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
     g = g[..., None].expand(-1, -1, attn.head_k_dim)
-    out, _ = tree_gated_delta_rule(_l2norm(query), _l2norm(key), value, g, beta, ctx.layout.linear_plan)
-    out = out.to(x.dtype)
+    out = ctx.delta_rule(_l2norm(query), _l2norm(key), value, g, beta).to(x.dtype)
     out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
     return attn.out_proj(out.reshape(1, n, -1))

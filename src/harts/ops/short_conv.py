@@ -6,8 +6,9 @@ than the kernel; predecessors before the start of the path are zero, like the le
 of ``nn.Conv1d(padding=K-1)`` in the stock models. One gather and one weighted sum: exact and
 differentiable, with no halo bookkeeping.
 
-Shapes: x [N, C], weight [C, K] (the depthwise ``conv1d.weight`` squeezed), predecessors [N, K]
-with -1 for "before the path start" and column K-1 the token itself.
+Shapes: x [M, C] input rows, weight [C, K] (the depthwise ``conv1d.weight`` squeezed),
+predecessors [N, K] rows of x (-1 for "before the path start"; column K-1 the token itself).
+M can exceed N when x also holds context rows handed over from an earlier micro-batch.
 """
 
 from __future__ import annotations
@@ -27,19 +28,19 @@ def tree_short_conv(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal convolution of ``x`` [N, C] over path predecessors. Returns [N, C]."""
+    """Depthwise causal convolution over path predecessors: x [M, C] -> [N, C]."""
     if activation not in _ACTIVATIONS:
         raise ValueError(
             f"unsupported convolution activation {activation!r}; known: {sorted(map(str, _ACTIVATIONS))}"
         )
-    n, c = x.shape
+    m, c = x.shape
     kernel = weight.shape[-1]
-    if predecessors.shape != (n, kernel):
-        raise ValueError(f"predecessors must be [N={n}, K={kernel}], got {tuple(predecessors.shape)}")
+    if predecessors.dim() != 2 or predecessors.shape[1] != kernel:
+        raise ValueError(f"predecessors must be [N, K={kernel}], got {tuple(predecessors.shape)}")
     x = x.to(weight.dtype)
-    # Row n of the padded input is the zero "before the path start".
+    # Row m of the padded input is the zero "before the path start".
     padded = torch.cat([x, x.new_zeros(1, c)], dim=0)
-    window = padded[torch.where(predecessors >= 0, predecessors, n)]  # [N, K, C]
+    window = padded[torch.where(predecessors >= 0, predecessors, m)]  # [N, K, C]
     out = torch.einsum("nkc,ck->nc", window, weight)
     if bias is not None:
         out = out + bias

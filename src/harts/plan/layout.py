@@ -1,83 +1,184 @@
-"""Per-micro-batch token layout: what the executor and the ops need to know about a forest.
+"""Per-micro-batch token layout: what the executor and the ops need to know about one part.
 
-A :class:`TreeLayout` moves a :class:`~harts.forest.Forest`'s index tensors to the compute
-device once and derives, lazily and cached:
+A :class:`TreeLayout` holds a part of a forest (the whole forest when nothing is cut) as a local
+:class:`~harts.forest.Forest` of its nodes, moves the index tensors to the compute device once,
+and derives, lazily and cached:
 
-- ``positions`` [N]: path positions for rotary embeddings;
-- ``attention_blocks``: per root tree, its token range and ancestor mask (plain tree attention);
-- ``predecessors(K)`` [N, K]: short-convolution windows along each path;
-- ``linear_plan``: the calls that run every linear-attention layer (see :mod:`harts.plan.waves`).
-
-What this leaves out: packing several forests into micro-batches, and cutting a tree.
+- ``positions`` [n]: global path positions (rotary embeddings);
+- the *key space* of the part: E external tokens (ancestors computed in earlier parts, read
+  from handed-over keys/values and convolution inputs) followed by the part's n own tokens;
+- ``attention_plan``: per-node query groups over gathered ancestor keys;
+- ``predecessors(K)`` [n, K]: short-convolution windows along each path, as key-space rows;
+- ``linear_plan``: the calls that run every linear-attention layer, and ``root_state_source``,
+  the earlier-part node whose final state starts each cut root;
+- ``export_token_rows`` / ``export_nodes``: what later parts read from this one.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from harts.forest import Forest
-from harts.ops.tree_attention import ancestor_mask
-from harts.plan.waves import LinearPlan, depth_wave_plan
+from harts.ops.tree_attention import TreeAttentionPlan, plan_tree_attention
+from harts.plan.micro_batches import Part
+from harts.plan.waves import LinearPlan, PlanMode, plan_linear
 
-__all__ = ["TreeLayout"]
+__all__ = ["TreeLayout", "part_forest"]
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every (s, l), without a Python loop."""
+    total = int(lengths.sum())
+    offsets = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + offsets
+
+
+def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
+    """The nodes of one part as a forest of their own, and the global id of each local token.
+
+    Parents outside the part become -1 (local roots); path positions stay global.
+    """
+    lengths = forest.node_length.numpy()[nodes]
+    global_tokens = _ranges(forest.node_start.numpy()[nodes], lengths)
+    local_of = np.full(forest.num_nodes, -1, dtype=np.int64)
+    local_of[nodes] = np.arange(nodes.size)
+    gparent = forest.node_parent.numpy()[nodes]
+    parent = np.where(gparent >= 0, local_of[np.maximum(gparent, 0)], -1)
+    m = nodes.size
+    depth = np.zeros(m, dtype=np.int64)
+    for n in range(m):
+        if parent[n] >= 0:
+            depth[n] = depth[parent[n]] + 1
+    subtree_end = np.arange(1, m + 1)
+    for n in range(m - 1, -1, -1):
+        if parent[n] >= 0:
+            subtree_end[parent[n]] = max(subtree_end[parent[n]], subtree_end[n])
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
+    local = Forest(
+        tokens=forest.tokens[t(global_tokens)],
+        node_start=t(np.cumsum(lengths) - lengths),
+        node_length=t(lengths),
+        node_parent=t(parent),
+        node_depth=t(depth),
+        node_path_start=forest.node_path_start[t(nodes)],
+        node_multiplicity=forest.node_multiplicity[t(nodes)],
+        node_subtree_end=t(subtree_end),
+        trajectory_end_node=torch.empty(0, dtype=torch.long),
+        trajectory_length=torch.empty(0, dtype=torch.long),
+        node_trajectory=forest.node_trajectory[t(nodes)],
+        shares_prefixes=forest.shares_prefixes,
+    )
+    return local, global_tokens
 
 
 class TreeLayout:
-    """Device-side index tensors of one forest (one micro-batch)."""
+    """Device-side index tensors of one micro-batch (a whole forest, or one part of a cut one)."""
 
-    def __init__(self, forest: Forest, device: torch.device | str = "cpu"):
-        self.forest = forest
+    def __init__(
+        self,
+        forest: Forest,
+        device: torch.device | str = "cpu",
+        part: Part | None = None,
+        linear_mode: PlanMode | str = PlanMode.AUTO,
+    ):
+        self.linear_mode = linear_mode
+        self.global_forest = forest
         self.device = torch.device(device)
-        self.tokens = forest.tokens.to(self.device)
-        self.positions = forest.token_position.to(self.device)
-        self.token_node = forest.token_node.to(self.device)
+        if part is None:
+            self.nodes = np.arange(forest.num_nodes)
+            self.local, self.global_tokens = forest, np.arange(forest.num_tokens)
+            self.external_tokens = np.empty(0, dtype=np.int64)
+            self.root_parents: dict[int, int] = {}
+            export_tokens, export_nodes = np.empty(0, dtype=np.int64), []
+        else:
+            self.nodes = part.nodes.numpy()
+            self.local, self.global_tokens = part_forest(forest, self.nodes)
+            self.external_tokens = part.external_tokens.numpy()
+            self.root_parents = part.root_parents
+            export_tokens, export_nodes = part.export_tokens.numpy(), part.export_nodes
+        self.forest = self.local
+        self.node_set = {int(n) for n in self.nodes}
+        self.num_external = int(self.external_tokens.size)
+        # key-space row of every global token this part can see (-1: not visible)
+        key_row = np.full(forest.num_tokens, -1, dtype=np.int64)
+        key_row[self.external_tokens] = np.arange(self.num_external)
+        key_row[self.global_tokens] = self.num_external + np.arange(self.global_tokens.size)
+        self._key_row = key_row
+        local_token = np.full(forest.num_tokens, -1, dtype=np.int64)
+        local_token[self.global_tokens] = np.arange(self.global_tokens.size)
+        self.export_token_rows = torch.as_tensor(local_token[export_tokens], device=self.device)
+        self.export_token_ids = export_tokens
+        local_node = {int(g): i for i, g in enumerate(self.nodes)}
+        self.export_nodes = [(local_node[g], g) for g in export_nodes]
+        #: local root node -> global node (in an earlier part) whose final state starts it
+        self.root_state_source = {local_node[r]: p for r, p in self.root_parents.items()}
+
+        self.tokens = self.local.tokens.to(self.device)
+        self.positions = self.local.token_position.to(self.device)
         self._predecessors: dict[int, torch.Tensor] = {}
 
     @property
     def num_tokens(self) -> int:
-        return self.forest.num_tokens
+        return self.local.num_tokens
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_external + self.num_tokens
+
+    def _external_path_keys(self, global_node: int) -> np.ndarray:
+        """Key rows of the tokens on the path ending at ``global_node`` (all in earlier parts)."""
+        f = self.global_forest
+        path = []
+        node = global_node
+        while node >= 0:
+            path.append(node)
+            node = int(f.node_parent[node])
+        path = np.asarray(path[::-1])
+        return self._key_row[_ranges(f.node_start.numpy()[path], f.node_length.numpy()[path])]
 
     @cached_property
-    def node_ancestor(self) -> torch.Tensor:
-        """[M, M] bool: ``a[m, b]`` is True when node b is m itself or one of its ancestors."""
-        f = self.forest
-        m = f.num_nodes
-        anc = torch.eye(m, dtype=torch.bool)
-        # Parents precede children, so each row copies its parent's finished row.
-        parent = f.node_parent.tolist()
-        for node in range(m):
-            p = parent[node]
+    def node_ancestor_keys(self) -> list[torch.Tensor]:
+        """Per local node, the key rows of every token on its ancestor nodes, in path order."""
+        f = self.local
+        parent, start, length = f.node_parent.tolist(), f.node_start.tolist(), f.node_length.tolist()
+        keys: list[np.ndarray] = []
+        e = self.num_external
+        for n in range(f.num_nodes):
+            p = parent[n]
             if p >= 0:
-                anc[node] |= anc[p]
-        return anc.to(self.device)
+                keys.append(np.concatenate([keys[p], np.arange(e + start[p], e + start[p] + length[p])]))
+            elif n in self.root_state_source:
+                keys.append(self._external_path_keys(self.root_state_source[n]))
+            else:
+                keys.append(np.empty(0, dtype=np.int64))
+        return [torch.as_tensor(k, dtype=torch.long) for k in keys]
 
     @cached_property
-    def attention_blocks(self) -> list[tuple[int, int, torch.Tensor]]:
-        """One (token start, token end, ancestor mask [n, n]) per root tree.
-
-        Trees never attend to each other, so attention runs tree by tree and its cost is the
-        sum of squared tree sizes, not the square of the micro-batch.
-        """
-        f = self.forest
-        roots = (f.node_parent < 0).nonzero().squeeze(1).tolist()
-        ends = f.node_subtree_end.tolist()
-        starts = f.node_start.tolist()
-        blocks = []
-        for root in roots:
-            last = ends[root] - 1
-            t0, t1 = starts[root], starts[last] + int(f.node_length[last])
-            n0, n1 = root, ends[root]
-            node_anc = self.node_ancestor[n0:n1, n0:n1]
-            blocks.append((t0, t1, ancestor_mask(self.token_node[t0:t1] - n0, node_anc)))
-        return blocks
+    def attention_plan(self) -> TreeAttentionPlan:
+        f = self.local
+        return plan_tree_attention(
+            f.node_start,
+            f.node_length,
+            f.node_start + self.num_external,
+            self.node_ancestor_keys,
+            num_queries=self.num_tokens,
+            num_keys=self.num_keys,
+            device=self.device,
+        )
 
     def predecessors(self, window: int) -> torch.Tensor:
+        """[n, window] key-space rows of each token's path predecessors (-1 before the path start)."""
         if window not in self._predecessors:
-            self._predecessors[window] = self.forest.token_predecessors(window).to(self.device)
+            glob = self.global_forest.token_predecessors(window)[torch.as_tensor(self.global_tokens)]
+            rows = torch.where(glob >= 0, torch.as_tensor(self._key_row)[glob.clamp(min=0)], -1)
+            if bool((rows[glob >= 0] < 0).any()):
+                raise AssertionError("a convolution window reaches a token this part cannot see")
+            self._predecessors[window] = rows.to(self.device)
         return self._predecessors[window]
 
     @cached_property
     def linear_plan(self) -> LinearPlan:
-        return depth_wave_plan(self.forest).to(self.device)
+        return plan_linear(self.local, self.linear_mode).to(self.device)

@@ -1,0 +1,73 @@
+"""Op backends: the one seam where device-specific kernels plug in.
+
+The executor and the adapters never call a kernel directly: the tree ops ask
+:func:`current_backend` for the delta-rule kernel (the signature of
+:func:`harts.ops.delta_rule.chunked_gated_delta_rule`: batched right-padded segments, per-segment
+fp32 initial states, final states, optional states at inner positions) and for the tree attention
+kernel (the signature of :func:`harts.ops.tree_attention.tree_attention` over a
+:class:`~harts.ops.tree_attention.TreeAttentionPlan`). Planners and adapters are untouched when a
+backend is added: register it with :func:`register_backend` and select it with
+:func:`use_backend`.
+
+Built in: ``torch``, plain PyTorch on any device (the CPU path, and a correct GPU path through
+SDPA and batched matmuls). Kernels such as flash-linear-attention's varlen ``chunk_kda`` /
+``chunk_gated_delta_rule`` (which take ``cu_seqlens`` and per-sequence initial states and
+backpropagate into them) and ``flex_attention`` block masks fit this seam; none is registered
+here, since each must first pass the equivalence tests on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["Backend", "register_backend", "use_backend", "current_backend", "available_backends"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    delta_rule: Callable
+    attention: Callable
+
+
+def _torch_backend() -> Backend:
+    from harts.ops.delta_rule import chunked_gated_delta_rule
+    from harts.ops.tree_attention import tree_attention
+
+    return Backend("torch", chunked_gated_delta_rule, tree_attention)
+
+
+_REGISTRY: dict[str, Callable[[], Backend]] = {"torch": _torch_backend}
+_ACTIVE = ["torch"]
+_CACHE: dict[str, Backend] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Make ``factory()`` (called lazily, so optional imports stay optional) selectable by ``name``."""
+    _REGISTRY[name] = factory
+    _CACHE.pop(name, None)
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def current_backend() -> Backend:
+    name = _ACTIVE[-1]
+    if name not in _CACHE:
+        _CACHE[name] = _REGISTRY[name]()
+    return _CACHE[name]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """Run the enclosed code with backend ``name``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
+    _ACTIVE.append(name)
+    try:
+        yield current_backend()
+    finally:
+        _ACTIVE.pop()

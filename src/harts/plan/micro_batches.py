@@ -1,0 +1,192 @@
+"""Micro-batch planning: pack whole trees under a token budget, cut larger trees at node boundaries.
+
+A micro-batch (a *part*) is a set of forest nodes whose parents are either in the part or in an
+earlier part. Trees that fit the budget are packed whole, first-fit decreasing. A tree larger
+than the budget is first refined so that no node is longer than the budget (a long node becomes
+a chain of pieces: the same tokens, the same paths), then cut into consecutive runs of nodes in
+pre-order. Pre-order makes every such run closed: a node's parent is either in the run or before
+it.
+
+For each part the plan records what crosses its boundary: the *external* tokens (tokens of
+ancestors in earlier parts, whose keys/values and convolution inputs the part reads) and the
+external parents of its roots (whose final linear-attention states start its segments); and, in
+the other direction, which of its own tokens and nodes later parts read (its exports).
+
+What this leaves out: memory-based budgets (the budget counts unique tokens of the part; context
+tokens read from earlier parts are not counted) and balancing across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts.forest import Forest
+
+__all__ = ["Part", "MicroBatchPlan", "split_long_nodes", "plan_micro_batches"]
+
+
+def split_long_nodes(forest: Forest, max_length: int) -> Forest:
+    """The same forest with every node longer than ``max_length`` cut into a chain of pieces.
+
+    Tokens, token order, paths and trajectories are unchanged; only node boundaries are added,
+    so every op gives the same result on the refined forest.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    lengths = forest.node_length.numpy()
+    if lengths.max(initial=0) <= max_length:
+        return forest
+    pieces = -(-lengths // max_length)  # ceil
+    first_piece = np.cumsum(pieces) - pieces  # new index of each old node's first piece
+    new_count = int(pieces.sum())
+    old_of_new = np.repeat(np.arange(lengths.size), pieces)
+    piece_idx = np.arange(new_count) - first_piece[old_of_new]
+    start = forest.node_start.numpy()[old_of_new] + piece_idx * max_length
+    length = np.minimum(max_length, lengths[old_of_new] - piece_idx * max_length)
+    old_parent = forest.node_parent.numpy()
+    # First piece hangs under the parent's last piece; later pieces under the previous piece.
+    parent_last = np.where(old_parent >= 0, first_piece[old_parent] + pieces[old_parent] - 1, -1)
+    parent = np.where(piece_idx == 0, parent_last[old_of_new], np.arange(new_count) - 1)
+    path_start = forest.node_path_start.numpy()[old_of_new] + piece_idx * max_length
+    depth = np.zeros(new_count, dtype=np.int64)
+    for n in range(new_count):
+        if parent[n] >= 0:
+            depth[n] = depth[parent[n]] + 1
+    subtree_end = np.arange(1, new_count + 1)
+    for n in range(new_count - 1, -1, -1):  # children come after parents: fold ends upwards
+        if parent[n] >= 0:
+            subtree_end[parent[n]] = max(subtree_end[parent[n]], subtree_end[n])
+    last_piece = first_piece + pieces - 1
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
+    return Forest(
+        tokens=forest.tokens,
+        node_start=t(start),
+        node_length=t(length),
+        node_parent=t(parent),
+        node_depth=t(depth),
+        node_path_start=t(path_start),
+        node_multiplicity=forest.node_multiplicity[t(old_of_new)],
+        node_subtree_end=t(subtree_end),
+        trajectory_end_node=t(last_piece[forest.trajectory_end_node.numpy()]),
+        trajectory_length=forest.trajectory_length,
+        node_trajectory=forest.node_trajectory[t(old_of_new)],
+        shares_prefixes=forest.shares_prefixes,
+    )
+
+
+@dataclass
+class Part:
+    """One micro-batch: ``nodes`` (global ids, ascending) and what crosses its boundary.
+
+    - ``external_tokens`` [E]: global token ids on ancestor paths in earlier parts, ascending;
+    - ``root_parents``: {global root node in this part: its global parent in an earlier part};
+    - ``export_tokens`` [X]: this part's global token ids that later parts read;
+    - ``export_nodes``: this part's global nodes whose final states later parts read.
+    """
+
+    nodes: torch.Tensor
+    external_tokens: torch.Tensor
+    root_parents: dict[int, int]
+    export_tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    export_nodes: list[int] = field(default_factory=list)
+
+    def num_tokens(self, forest: Forest) -> int:
+        return int(forest.node_length[self.nodes].sum())
+
+
+@dataclass
+class MicroBatchPlan:
+    forest: Forest  # the refined forest the parts index into
+    parts: list[Part]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.parts)
+
+    @property
+    def num_cuts(self) -> int:
+        """Parts that read context from an earlier part."""
+        return sum(1 for p in self.parts if p.root_parents)
+
+
+def _pack(forest: Forest, budget: int) -> list[np.ndarray]:
+    """Node groups: whole trees first-fit decreasing, oversized trees cut in pre-order runs."""
+    lengths = forest.node_length.numpy()
+    roots = np.flatnonzero(forest.node_parent.numpy() < 0)
+    ends = forest.node_subtree_end.numpy()
+    sizes = np.array([lengths[r : ends[r]].sum() for r in roots])
+    bins: list[list[int]] = []  # roots per bin
+    bin_room: list[int] = []
+    groups: list[np.ndarray] = []
+    for i in np.argsort(-sizes, kind="stable"):
+        root, size = int(roots[i]), int(sizes[i])
+        if size > budget:
+            run: list[int] = []
+            used = 0
+            for node in range(root, int(ends[root])):
+                if run and used + lengths[node] > budget:
+                    groups.append(np.asarray(run))
+                    run, used = [], 0
+                run.append(node)
+                used += int(lengths[node])
+            groups.append(np.asarray(run))
+            continue
+        for b, room in enumerate(bin_room):
+            if size <= room:
+                bins[b].append(root)
+                bin_room[b] -= size
+                break
+        else:
+            bins.append([root])
+            bin_room.append(budget - size)
+    whole = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)]) for b in bins]
+    return whole + groups  # cut trees run after the packed ones; their runs stay in order
+
+
+def plan_micro_batches(forest: Forest, budget_tokens: int | None) -> MicroBatchPlan:
+    """Split ``forest`` into parts of at most ``budget_tokens`` unique tokens (None: one part)."""
+    if budget_tokens is None or budget_tokens >= forest.num_tokens:
+        part = Part(torch.arange(forest.num_nodes), torch.empty(0, dtype=torch.long), {})
+        return MicroBatchPlan(forest, [part])
+    if budget_tokens < 1:
+        raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+    refined = split_long_nodes(forest, budget_tokens)
+    groups = _pack(refined, budget_tokens)
+    parent = refined.node_parent.numpy()
+    starts, lengths = refined.node_start.numpy(), refined.node_length.numpy()
+    part_of = np.full(refined.num_nodes, -1, dtype=np.int64)
+    for p, nodes in enumerate(groups):
+        part_of[nodes] = p
+    parts = []
+    export_tokens: list[set[int]] = [set() for _ in groups]
+    export_nodes: list[set[int]] = [set() for _ in groups]
+    for p, nodes in enumerate(groups):
+        root_parents = {}
+        ext_nodes: set[int] = set()
+        for node in nodes:
+            par = int(parent[node])
+            if par >= 0 and part_of[par] != p:
+                if part_of[par] > p:
+                    raise AssertionError("a part must come after the parts holding its ancestors")
+                root_parents[int(node)] = par
+                export_nodes[part_of[par]].add(par)
+                a = par
+                while a >= 0 and part_of[a] != p and a not in ext_nodes:
+                    ext_nodes.add(a)
+                    a = int(parent[a])
+        ext = sorted(ext_nodes)
+        ext_tokens = (
+            np.concatenate([np.arange(starts[a], starts[a] + lengths[a]) for a in ext])
+            if ext
+            else np.empty(0, dtype=np.int64)
+        )
+        for a in ext:
+            export_tokens[part_of[a]].update(range(int(starts[a]), int(starts[a] + lengths[a])))
+        parts.append(Part(torch.as_tensor(np.sort(nodes)), torch.as_tensor(ext_tokens), root_parents))
+    for p, part in enumerate(parts):
+        part.export_tokens = torch.as_tensor(sorted(export_tokens[p]), dtype=torch.long)
+        part.export_nodes = sorted(export_nodes[p])
+    return MicroBatchPlan(refined, parts)

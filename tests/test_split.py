@@ -1,0 +1,108 @@
+"""Split invariance: any micro-batch budget gives the gradients of no budget (design.md section 4.3).
+
+Budgets small enough to cut each tree several times, including cuts inside a long node, for every
+family; and the micro-batch plans themselves (coverage, budget, order, whole-tree packing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import harts
+from harts.models import FAMILIES, tiny_model
+from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
+from harts.step import forest_backward, next_token_rows
+from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads
+from tests.test_equivalence import EDGE
+
+SPLIT_FORESTS = {
+    "stacked-branches": EDGE["stacked-branches"],
+    "long-node-T130": EDGE["long-branch-T130"],
+    "duplicates+roots": EDGE["duplicates"] + EDGE["unrelated-roots"],
+}
+# budgets that cut every tree several times; 40 and 9 cut inside the 130-token node
+CASES = [
+    ("stacked-branches", 4),
+    ("stacked-branches", 1),
+    ("long-node-T130", 40),
+    ("long-node-T130", 9),
+    ("duplicates+roots", 9),
+    ("duplicates+roots", 2),
+]
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_of(family):
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family, seed=11)
+    return _MODELS[family]
+
+
+def _step(model, forest, budget):
+    predictor, target = next_token_rows(forest)
+    w = torch.randn(predictor.numel(), generator=torch.Generator().manual_seed(0))
+
+    traj = torch.repeat_interleave(torch.arange(forest.num_trajectories), forest.trajectory_length - 1)
+
+    def loss_fn(logprob, entropy):
+        # row-weighted terms, plus a sequence-level term (GSPO-like: a non-linear function of each
+        # trajectory's mean log-prob) whose rows span several micro-batches
+        seq_mean = torch.zeros(forest.num_trajectories).index_add(0, traj, logprob)
+        seq_mean = seq_mean / (forest.trajectory_length - 1).clamp(min=1)
+        return (logprob * w).sum() + 0.1 * (entropy * w.flip(0)).sum() + torch.exp(seq_mean).sum()
+
+    model.zero_grad(set_to_none=True)
+    result = forest_backward(model, forest, predictor, target, loss_fn, budget_tokens=budget)
+    return result, param_grads(model)
+
+
+@pytest.mark.parametrize(("shape", "budget"), CASES, ids=[f"{s}-budget{b}" for s, b in CASES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budget_does_not_change_gradients(family, shape, budget):
+    model = model_of(family)
+    forest = harts.build_forest(SPLIT_FORESTS[shape])
+    ref, ref_grads = _step(model, forest, None)
+    got, grads = _step(model, forest, budget)
+    assert got.num_micro_batches > 2 and got.num_cuts >= 2
+    assert max(got.tokens_per_micro_batch) <= budget
+    assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
+    assert abs(got.loss - ref.loss) <= 1e-5 * max(1.0, abs(ref.loss))
+    errors = grad_relative_errors(grads, ref_grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+def test_split_long_nodes_keeps_paths():
+    forest = harts.build_forest(EDGE["long-branch-T130"])
+    refined = split_long_nodes(forest, 16)
+    assert int(refined.node_length.max()) <= 16
+    assert torch.equal(refined.tokens, forest.tokens)
+    assert torch.equal(refined.token_position, forest.token_position)
+    for i in range(forest.num_trajectories):
+        assert torch.equal(refined.trajectory(i), forest.trajectory(i))
+    assert torch.equal(refined.token_predecessors(4), forest.token_predecessors(4))
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16, 64])
+def test_plan_covers_every_node_once_within_budget(budget):
+    trajs = EDGE["star-P20-G4"] + EDGE["stacked-branches"] + EDGE["unrelated-roots"]
+    forest = harts.build_forest(trajs)
+    plan = plan_micro_batches(forest, budget)
+    nodes = np.concatenate([p.nodes.numpy() for p in plan.parts])
+    assert np.array_equal(np.sort(nodes), np.arange(plan.forest.num_nodes))
+    seen: set[int] = set()
+    for part in plan.parts:
+        assert part.num_tokens(plan.forest) <= budget
+        for node in part.nodes.tolist():
+            parent = int(plan.forest.node_parent[node])
+            assert parent < 0 or parent in seen or parent in set(part.nodes.tolist())
+        seen.update(part.nodes.tolist())
+
+
+def test_small_trees_are_packed_whole():
+    forest = harts.build_forest([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]])
+    plan = plan_micro_batches(forest, 5)
+    assert plan.num_cuts == 0
+    assert sorted(p.num_tokens(forest) for p in plan.parts) == [5, 5]
