@@ -52,6 +52,7 @@ class StepResult:
     num_micro_batches: int
     num_cuts: int
     tokens_per_micro_batch: list[int]
+    layouts: list[TreeLayout]  # one per micro-batch: plans, calls per linear layer, padding
 
 
 def next_token_rows(forest: Forest) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +131,7 @@ def forest_backward(
         logp, ent = _row_logprobs(model, hidden, predictor.to(device), target.to(device), chunk_rows)
         loss = loss_fn(logp, ent)
         loss.backward()
-        return StepResult(loss.detach(), logp.detach(), ent.detach(), 1, 0, sizes)
+        return StepResult(loss.detach(), logp.detach(), ent.detach(), 1, 0, sizes, layouts)
 
     # rows of each part: those whose predicting token it holds
     part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
@@ -230,4 +231,4 @@ def forest_backward(
                 part_grad.index_add_(dim, torch.as_tensor(ext_rows[sel] - lo, device=device), src)
                 key = (layer, name, None)
                 sent_back[q][key] = sent_back[q].get(key, 0) + part_grad
-    return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes)
+    return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes, layouts)

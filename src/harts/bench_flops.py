@@ -1,0 +1,156 @@
+"""FLOP model behind the benchmark's *ideal speedup* (flat FLOPs / tree FLOPs).
+
+Per token, forward, counted as 2 FLOPs per multiply-add:
+
+- dense: every matmul weight a token meets once (attention and linear-attention projections, MLA
+  down/up projections, gates, the depthwise short-convolution taps, dense MLPs, the MoE router,
+  the ``top_k`` active routed experts and the shared experts, and the LM head): 2 x active
+  weights. Embedding lookups, norms, activations and the softmax are left out (they are
+  elementwise, small next to the matmuls, and per token in both layouts alike).
+- linear attention (KDA, GDN): a per-token state update on each head's [K, V] state, costed as
+  three matrix-vector products (read k^T S for the delta, the rank-one write, the output q^T S):
+  2 * 3 * H * K * V. The constant depends on the kernel (chunked forms trade it for matmuls), but
+  it is per token, so it scales like the dense part.
+- full attention (GQA, gated, MLA): a token at path position p attends to p + 1 keys, costing
+  2 * H * (d_qk + d_v) * (p + 1) (scores and the weighted sum of values).
+
+Forward + backward = 3 x forward (backward is about two forwards), for every part alike.
+
+A forest with N unique tokens then costs ``3 * (c_token * N + c_key * sum(p + 1))`` and its flat
+layout the same sum over every trajectory's own tokens. Both use :func:`forest_flops` on a
+:class:`~harts.forest.Forest` (the flat one built with ``share_prefixes=False``), so for an
+attention-free model ideal speedup == R exactly, and full attention raises it above R when
+shared prefixes are long. Every count is a Python int, so the ratios are exact.
+
+What this leaves out: memory traffic, padding inside linear-attention calls, kernel launch and
+Python overheads (which is why achieved speedup can fall short of the ideal), and the fact that
+logits are needed only at positions that have loss rows (the head is counted on every token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from harts.adapters.base import adapter_for
+from harts.forest import Forest
+
+__all__ = ["FlopModel", "flop_model", "forest_flops", "ideal_speedup", "FLOP_MODEL_TEXT"]
+
+FLOP_MODEL_TEXT = (
+    "FLOPs per fwd+bwd = 3 x forward; forward per token = 2 x active matmul weights "
+    "(projections, conv taps, MLP / router + top-k and shared experts, LM head) "
+    "+ 6*H*K*V per linear-attention layer (state update) "
+    "+ 2*H*(d_qk+d_v)*(p+1) per full-attention layer at path position p; "
+    "ideal speedup = flat FLOPs / tree FLOPs"
+)
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Forward FLOP coefficients of one model (all ints).
+
+    - ``dense_per_token``: matmul FLOPs every token costs (all layers and the head);
+    - ``linear_state_per_token``: state-update FLOPs of all linear-attention layers per token;
+    - ``attention_per_key``: FLOPs of all full-attention layers per (query, key) pair.
+    """
+
+    dense_per_token: int
+    linear_state_per_token: int
+    attention_per_key: int
+    num_full_layers: int
+    num_linear_layers: int
+
+    @property
+    def per_token(self) -> int:
+        return self.dense_per_token + self.linear_state_per_token
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _expert_weights(experts: nn.Module) -> tuple[int, int]:
+    """(weights of one routed expert, number of experts) for a fused experts module."""
+    total = sum(p.numel() for p in experts.parameters(recurse=False) if p.dim() == 3)
+    num = int(getattr(experts, "num_experts", 0))
+    num = num or next(p.shape[0] for p in experts.parameters() if p.dim() == 3)
+    return total // num, num
+
+
+def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
+    """Matmul weights one token meets in ``layer``.
+
+    Every 2-D ``weight`` (Linear projections, and routers, which are plain modules holding a
+    [E, D] weight), every Conv1d kernel (depthwise taps), and ``top_k`` of the routed experts.
+    Norm weights are 1-D; gate constants (``A_log``, ``dt_bias``) are not named ``weight``.
+    """
+    # Routed experts are a fused module named "experts" (3-D weights); shared experts are plain MLPs.
+    experts = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    expert_params = {id(p) for m in experts for p in m.parameters(recurse=False)}
+    conv = {id(m.weight) for m in layer.modules() if isinstance(m, nn.Conv1d)}
+    count = 0
+    for name, p in layer.named_parameters():
+        if id(p) in expert_params or name.rsplit(".", 1)[-1] != "weight":
+            continue
+        if p.dim() == 2 or id(p) in conv:
+            count += p.numel()
+    for m in experts:
+        per_expert, _ = _expert_weights(m)
+        count += top_k * per_expert
+    return count
+
+
+def _linear_state_flops(mixer: nn.Module) -> int:
+    """6 * H * K * V for one KDA (num_heads, head_dim) or GDN (num_v_heads, head_k_dim, head_v_dim) layer."""
+    if hasattr(mixer, "num_v_heads"):
+        heads, k, v = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    elif hasattr(mixer, "num_heads") and hasattr(mixer, "head_dim"):
+        heads, k, v = mixer.num_heads, mixer.head_dim, mixer.head_dim
+    else:
+        raise ValueError(f"cannot read linear-attention state sizes from {type(mixer).__name__}")
+    return 2 * 3 * int(heads) * int(k) * int(v)
+
+
+def _attention_key_flops(mixer: nn.Module, config) -> int:
+    """2 * H * (d_qk + d_v): FLOPs of one (query, key) pair in a full-attention layer (MLA or GQA)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // heads
+    d_qk = int(getattr(mixer, "qk_head_dim", None) or head_dim)
+    d_v = int(getattr(mixer, "v_head_dim", None) or head_dim)
+    return 2 * heads * (d_qk + d_v)
+
+
+def flop_model(model: nn.Module) -> FlopModel:
+    """The forward FLOP coefficients of a supported ``*ForCausalLM`` (read from its modules)."""
+    adapter = adapter_for(model)
+    config = model.config
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    layers = adapter.backbone(model).layers[: config.num_hidden_layers]
+    dense = 2 * model.lm_head.weight.numel()
+    state = attn = 0
+    n_full = n_linear = 0
+    for i, layer in enumerate(layers):
+        dense += 2 * _active_matmul_weights(layer, top_k)
+        mixer = getattr(layer, "linear_attn", None) or layer.self_attn
+        if adapter.layer_type(model, i) == "linear_attention":
+            state += _linear_state_flops(mixer)
+            n_linear += 1
+        else:
+            attn += _attention_key_flops(mixer, config)
+            n_full += 1
+    return FlopModel(dense, state, attn, n_full, n_linear)
+
+
+def forest_flops(fm: FlopModel, forest: Forest) -> int:
+    """Forward + backward FLOPs of one pass over ``forest``'s unique tokens (an int).
+
+    The flat layout is the same call on ``build_forest(trajectories, share_prefixes=False)``.
+    """
+    keys = int((forest.token_position + 1).sum())
+    return 3 * (fm.per_token * forest.num_tokens + fm.attention_per_key * keys)
+
+
+def ideal_speedup(fm: FlopModel, tree: Forest, flat: Forest) -> float:
+    """Flat FLOPs / tree FLOPs (int / int: correctly rounded)."""
+    return forest_flops(fm, flat) / forest_flops(fm, tree)

@@ -1,0 +1,149 @@
+"""Reporting for ``harts bench``: the Markdown tables, ``results.json``/``.md`` and ``speedup.png``.
+
+The plot needs matplotlib (the ``bench`` extra); it is imported lazily with the Agg backend, and
+when it is missing the plot is skipped with a message. Nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["markdown", "write_outputs", "plot"]
+
+_PEERS = ("prefix_grouper", "flash_pref")
+
+
+def _f(x, fmt: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _ms(v: dict) -> str:
+    return _f(v.get("time_s") and v["time_s"] * 1e3, ".0f")
+
+
+def _mib(v: dict) -> str:
+    return _f(v.get("peak_mib"), ".1f")
+
+
+def main_table(results: dict) -> list[str]:
+    lines = [
+        "| family | shape | traj | flat tok | R | ideal | tree vs flat | % of ideal | tree vs stock "
+        "| calls/lin tree | calls/lin flat | peak MiB tree | flat | stock | ms tree | flat | stock |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        v = r["variants"]
+        t, fl, st = v["tree"], v["flat"], v["stock"]
+        lines.append(
+            f"| {r['family']} | {r['shape']} | {r['trajectories']} | {r['flat_tokens']} "
+            f"| {r['redundancy']:.2f} | {r['ideal_speedup']:.2f} | {r['achieved_speedup']:.2f} "
+            f"| {100 * r['fraction_of_ideal']:.0f}% | {r['speedup_vs_stock']:.2f} "
+            f"| {_f(t.get('linear_calls'), 'd')} | {_f(fl.get('linear_calls'), 'd')} "
+            f"| {_mib(t)} | {_mib(fl)} | {_mib(st)} | {_ms(t)} | {_ms(fl)} | {_ms(st)} |"
+        )
+    return lines
+
+
+def peer_table(results: dict) -> list[str]:
+    """One line per peer run (or failure); the two support limits are summarised below the table."""
+    lines = [
+        "| family | shape | system | status | ms | vs stock | harts tree speedup over it "
+        "| loss rel. diff vs stock | peak MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    hybrid: set[str] = set()
+    deeper: set[str] = set()
+    for r in results["rows"]:
+        v = r["variants"]
+        for name in _PEERS:
+            p = v.get(name)
+            if p is None:
+                continue
+            if p["status"] == "ran":
+                lines.append(
+                    f"| {r['family']} | {r['shape']} | {name} | ran | {_ms(p)} "
+                    f"| {v['stock']['time_s'] / p['time_s']:.2f} | {p['time_s'] / v['tree']['time_s']:.2f} "
+                    f"| {p['loss_rel_diff_vs_stock']:.1e} | {_mib(p)} |"
+                )
+            elif p["reason"].startswith("full attention only"):
+                hybrid.add(r["family"])
+            elif p["reason"].startswith("one shared prompt"):
+                deeper.add(r["shape"])
+            else:
+                lines.append(f"| {r['family']} | {r['shape']} | {name} | {p['reason']} | | | | | |")
+    if hybrid or deeper:
+        lines.append("")
+    if hybrid:
+        lines.append(f"Not run on {', '.join(sorted(hybrid))}: both peers support full attention only.")
+    if deeper:
+        lines.append(f"Not run on {', '.join(sorted(deeper))}: both peers take one shared prompt and G "
+                     "completions only (a depth-1 tree).")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    cfg, mach = results["config"], results["machine"]
+    rows = results["rows"]
+    worst = max((v.get("loss_rel_diff_vs_stock", 0.0) for r in rows for n, v in r["variants"].items()
+                 if n in ("tree", "flat") and v["status"] == "ran"), default=0.0)
+    gpu = f" ({mach['gpu']})" if "gpu" in mach else ""
+    methods = sorted({v.get("memory_method") for r in rows for v in r["variants"].values()} - {None})
+    head = [
+        "## harts bench" + (" (quick smoke run)" if cfg["quick"] else ""),
+        "",
+        f"- machine: {mach['processor']}, {mach['cpu_count']} CPUs, torch {mach['torch']}, "
+        f"{mach['threads']} threads, device {mach['device']}{gpu}",
+        f"- models: {cfg['model_size']} random configs; shapes at scale {cfg['scale']}; "
+        f"step `{cfg['step']}`, budget {cfg['budget_tokens'] or 'none (whole forest)'}; "
+        f"median of {cfg['repeats']} interleaved runs after {max(cfg['warmup'], 1)} warm-up",
+        f"- FLOP model: {results['flop_model']}",
+        f"- peak memory: {', '.join(methods) if methods else 'not measured'} (see docs/benchmarks.md)",
+        f"- objective check: largest relative loss difference of tree/flat vs stock {worst:.1e}",
+        "",
+    ]
+    return "\n".join(head + main_table(results) + ["", "### Peers", ""] + peer_table(results)) + "\n"
+
+
+def plot(results: dict, path: Path) -> str:
+    """Achieved and ideal tree-vs-flat speedup against R, one marker per family."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: skipped speedup.png (pip install matplotlib)"
+    markers = "osD^v<>px*"
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    families = list(dict.fromkeys(r["family"] for r in results["rows"]))
+    top = 1.0
+    for i, fam in enumerate(families):
+        rows = [r for r in results["rows"] if r["family"] == fam]
+        rs = [r["redundancy"] for r in rows]
+        m = markers[i % len(markers)]
+        achieved = [r["achieved_speedup"] for r in rows]
+        ax.scatter(rs, achieved, marker=m, color=f"C{i}", label=f"{fam} achieved")
+        ax.scatter(rs, [r["ideal_speedup"] for r in rows], marker=m, facecolors="none", edgecolors=f"C{i}",
+                   label=f"{fam} ideal")
+        top = max([top] + rs + [r["ideal_speedup"] for r in rows] + [r["achieved_speedup"] for r in rows])
+    ax.plot([1, top], [1, top], color="grey", linewidth=0.8, linestyle="--", label="speedup = R")
+    ax.set_xlabel("redundancy R (flat tokens / unique tokens)")
+    ax.set_ylabel("tree vs flat speedup (fwd+bwd)")
+    ax.set_title("harts: achieved (filled) and FLOP-ideal (hollow) speedup")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> list[str]:
+    """Write results.json, results.md and speedup.png under ``out_dir``; returns log lines."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    written = [f"wrote {out / name}" for name in ("results.json", "results.md")]
+    return written + [plot(results, out / "speedup.png")]

@@ -1,0 +1,68 @@
+"""Smoke test of the benchmark harness (harts.bench) and its FLOP model; no timed assertions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import harts
+from harts.bench import BenchConfig, make_trajectories, run
+from harts.bench_flops import flop_model, forest_flops, ideal_speedup
+from harts.bench_report import markdown, write_outputs
+from harts.data.synthetic import scaled
+from harts.models import tiny_model
+
+ROW_FIELDS = {
+    "family", "shape", "trajectories", "unique_tokens", "flat_tokens", "redundancy", "flops_tree",
+    "flops_flat", "ideal_speedup", "achieved_speedup", "fraction_of_ideal", "speedup_vs_stock", "variants",
+}
+
+
+def test_harness_smoke(tmp_path):
+    # One thread: OpenMP barriers on a shared, oversubscribed CPU can slow a step 30-fold.
+    cfg = BenchConfig(
+        families=("llama", "qwen3_next"), shapes=("star", "random"), quick=True, memory=False, threads=1
+    )
+    results = run(cfg, log=lambda _: None)
+    json.loads(json.dumps(results))  # JSON-ready
+    assert {"config", "machine", "flop_model", "rows"} <= set(results)
+    assert results["machine"]["threads"] >= 1
+    assert len(results["rows"]) == 4
+    resolved = cfg.resolved()
+    for row in results["rows"]:
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        vocab = tiny_model(row["family"]).config.vocab_size
+        forest = harts.build_forest(make_trajectories(row["shape"], resolved, vocab))
+        assert row["redundancy"] == forest.redundancy
+        assert row["ideal_speedup"] >= 1.0
+        for name in ("tree", "flat", "stock"):
+            v = row["variants"][name]
+            assert v["status"] == "ran" and v["time_s"] > 0
+            assert v["loss_rel_diff_vs_stock"] < 1e-5, (row["family"], row["shape"], name)
+        linear = row["flop_model"]["num_linear_layers"] > 0
+        assert (row["variants"]["tree"]["linear_calls"] is not None) == linear
+        if linear:
+            assert row["variants"]["flat"]["linear_calls"] == 1
+    assert "| family | shape |" in markdown(results)
+    write_outputs(results, tmp_path)
+    assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])
+@pytest.mark.parametrize("shape", ["star", "agentic", "deep", "random"])
+def test_flop_ratio_without_attention_is_redundancy(family, shape):
+    """Dense and linear-attention FLOPs are per token, so flat / tree is R exactly."""
+    fm = flop_model(tiny_model(family))
+    kwargs = {} if shape == "random" else {"vocab_size": 128}
+    trajectories = scaled(shape, 0.01, **kwargs)
+    tree = harts.build_forest(trajectories)
+    flat = harts.build_forest(trajectories, share_prefixes=False)
+    no_attention = dataclasses.replace(fm, attention_per_key=0)
+    assert forest_flops(no_attention, flat) / forest_flops(no_attention, tree) == tree.redundancy
+    assert ideal_speedup(fm, tree, flat) >= 1.0
+    if fm.num_full_layers:
+        assert fm.attention_per_key > 0
+    if fm.num_linear_layers:
+        assert fm.linear_state_per_token > 0
