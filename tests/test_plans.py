@@ -55,8 +55,10 @@ def _fewest(forest) -> int:
 
 def all_plans(forest) -> dict[str, object]:
     """Every plan the planner can make for ``forest``, by name."""
-    plans = {mode.value: plan_linear(forest, mode) for mode in PlanMode}
-    plans["auto-dear-calls"] = plan_linear(forest, "auto", LinearCostModel(call_cost=1e9))
+    plans = {mode.value: plan_linear(forest, mode, bucket=False) for mode in PlanMode}
+    plans["auto-dear-calls"] = plan_linear(forest, "auto", LinearCostModel(call_cost=1e9), bucket=False)
+    for mode in PlanMode:  # the same plans split into calls of similar segment lengths
+        plans[f"bucketed-{mode.value}"] = plan_linear(forest, mode)
     for budget in range(_fewest(forest), forest.max_depth + 2):
         plans[f"chain-K{budget}"] = chain_plan(forest, max_calls=budget)
     return plans
@@ -160,7 +162,11 @@ def test_auto_picks_the_cheapest_candidate(name):
     auto, model = plans["auto"], LinearCostModel()
     assert auto.cost == model.plan(auto)
     assert auto.mode in (PlanMode.DEPTH, PlanMode.CHAIN)
-    assert auto.cost <= min(p.cost for n, p in plans.items() if n != "auto-dear-calls")
+    assert auto.cost <= min(
+        p.cost for n, p in plans.items() if n != "auto-dear-calls" and not n.startswith("bucketed")
+    )
+    for mode in PlanMode:  # splitting by length only ever lowers the estimated cost
+        assert plans[f"bucketed-{mode.value}"].cost <= plans[mode.value].cost
     assert plans["auto-dear-calls"].num_calls == plans["chain"].num_calls
     assert plans["depth"].padded_tokens == sum(int(c.token_index.numel()) for c in plans["depth"].calls) - (
         forest.num_tokens

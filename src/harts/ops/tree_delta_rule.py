@@ -59,13 +59,15 @@ def tree_gated_delta_rule(
         if call.num_boundaries:
             o, final, inner = kernel(
                 *args, initial_state=init, lengths=call.lengths, scale=scale,
-                output_states_at=call.boundary_offsets,
+                output_states_at=call.boundary_offsets, chunk_size=call.chunk_size,
             )  # fmt: skip
             for w, nodes in enumerate(call.boundary_nodes):
                 for s, node in enumerate(nodes):
                     states[node] = inner[w, s]
         else:
-            o, final = kernel(*args, initial_state=init, lengths=call.lengths, scale=scale)
+            o, final = kernel(
+                *args, initial_state=init, lengths=call.lengths, scale=scale, chunk_size=call.chunk_size
+            )
         for w, node in enumerate(call.end_node):
             states[node] = final[w]
         outputs.append(o[call.valid])

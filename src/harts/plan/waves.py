@@ -42,6 +42,7 @@ __all__ = [
     "depth_wave_plan",
     "min_calls",
     "plan_linear",
+    "bucket_by_length",
 ]
 
 
@@ -66,7 +67,9 @@ class LinearCall:
     - ``boundary_nodes`` list[W] of lists: the nodes of each segment before ``end_node``, in path
       order (empty for one-node segments); their final states are emitted inside the segment;
     - ``boundary_offsets`` [W, S]: token count within the segment at which each boundary node
-      ends (S = the most boundary nodes of any segment; unused columns hold the segment length).
+      ends (S = the most boundary nodes of any segment; unused columns hold the segment length);
+    - ``chunk_size``: the kernel's chunk for this call (short calls use short chunks, so a call
+      of 20-token segments is not padded to 64).
     """
 
     token_index: torch.Tensor
@@ -76,6 +79,7 @@ class LinearCall:
     end_node: list[int]
     boundary_nodes: list[list[int]] = field(default=None)  # type: ignore[assignment]
     boundary_offsets: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    chunk_size: int = 64
 
     def __post_init__(self):
         if self.boundary_nodes is None:
@@ -107,6 +111,23 @@ class LinearCall:
             self.end_node,
             self.boundary_nodes,
             self.boundary_offsets.to(device),
+            self.chunk_size,
+        )
+
+    def rows(self, keep: torch.Tensor, chunk_size: int) -> LinearCall:
+        """The sub-call of the segments ``keep`` [W'], trimmed to their longest length."""
+        lengths = self.lengths[keep]
+        t = int(lengths.max())
+        idx = keep.tolist()
+        return LinearCall(
+            self.token_index[keep, :t],
+            lengths,
+            [self.init_node[i] for i in idx],
+            [self.start_node[i] for i in idx],
+            [self.end_node[i] for i in idx],
+            [self.boundary_nodes[i] for i in idx],
+            self.boundary_offsets[keep],
+            chunk_size,
         )
 
 
@@ -132,16 +153,15 @@ class LinearCostModel:
     boundary_cost: float = 5.0
     call_cost: float = 16.0
 
-    def shape(self, w: int, t: int, s: int = 0) -> float:
+    def shape(self, w: int, t: int, s: int = 0, chunk_size: int | None = None) -> float:
         """Cost of one call of W segments, T tokens, S inner boundaries."""
-        steps = max(1, math.ceil(t / self.chunk_size))
-        return (
-            w * steps * self.chunk_size + self.step_cost * steps + self.boundary_cost * w * s + self.call_cost
-        )
+        c = chunk_size or self.chunk_size
+        steps = max(1, math.ceil(t / c))
+        return w * steps * c + self.step_cost * steps + self.boundary_cost * w * s + self.call_cost
 
     def call(self, call: LinearCall) -> float:
         w, t = call.token_index.shape
-        return self.shape(w, t, call.num_boundaries)
+        return self.shape(w, t, call.num_boundaries, call.chunk_size)
 
     def plan(self, plan: LinearPlan) -> float:
         return float(sum(self.call(c) for c in plan.calls))
@@ -353,7 +373,10 @@ def _chain_call(
 
 
 def plan_linear(
-    forest: Forest, mode: PlanMode | str = PlanMode.AUTO, cost_model: LinearCostModel | None = None
+    forest: Forest,
+    mode: PlanMode | str = PlanMode.AUTO,
+    cost_model: LinearCostModel | None = None,
+    bucket: bool = True,
 ) -> LinearPlan:
     """The linear-attention plan of ``mode``; for AUTO, the cheapest under ``cost_model``.
 
@@ -361,6 +384,7 @@ def plan_linear(
     and the budgeted chain plans for every budget between the fewest calls and the depth (each
     one O(nodes)), and builds the cheapest; ties go to fewer calls. With cheap calls (CPU) that is
     usually the least padded plan; with dear calls (GPU launches) the one with fewest calls.
+    ``bucket`` then splits calls by segment length where that is cheaper (:func:`bucket_by_length`).
     """
     try:
         mode = PlanMode(mode)
@@ -368,11 +392,12 @@ def plan_linear(
         raise ValueError(
             f"unknown plan mode {mode!r}; expected one of {[m.value for m in PlanMode]}"
         ) from None
-    if mode is PlanMode.DEPTH:
-        return depth_wave_plan(forest)
-    if mode is PlanMode.CHAIN:
-        return chain_plan(forest)
     model = cost_model or LinearCostModel()
+    finish = (lambda p: bucket_by_length(p, model)) if bucket else (lambda p: p)
+    if mode is PlanMode.DEPTH:
+        return finish(depth_wave_plan(forest))
+    if mode is PlanMode.CHAIN:
+        return finish(chain_plan(forest))
     f, heavy = min_calls(forest)
     lengths = forest.node_length.tolist()
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
@@ -382,4 +407,38 @@ def plan_linear(
     for budget in [None, *range(max(f[r] for r in roots), forest.max_depth + 1)]:
         candidates.append((PlanMode.CHAIN, budget, _call_shapes(*_chains(forest, f, heavy, budget), lengths)))
     best, budget, _ = min(candidates, key=lambda c: (sum(model.shape(*s) for s in c[2]), len(c[2])))
-    return depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget)
+    return finish(depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget))
+
+
+def _chunk_for(t: int, max_chunk: int) -> int:
+    """The smallest power-of-two chunk that holds ``t`` tokens, at most ``max_chunk``."""
+    return min(max_chunk, 1 << max(0, (t - 1).bit_length()))
+
+
+def bucket_by_length(plan: LinearPlan, cost_model: LinearCostModel | None = None) -> LinearPlan:
+    """Split each call into calls of similar segment lengths where the cost model says it pays.
+
+    Segments of one call never depend on each other, so any split of a call into consecutive
+    calls keeps the plan valid. Buckets are powers of two up to the chunk size, then whole
+    chunks; each sub-call gets the smallest chunk that holds it. A call is split only when the
+    sum of its buckets' costs (each paying ``call_cost``) is below its own.
+    """
+    model = cost_model or LinearCostModel()
+    calls = []
+    for call in plan.calls:
+        w, t = call.token_index.shape
+        whole = call.rows(torch.arange(w, device=call.lengths.device), _chunk_for(t, model.chunk_size))
+        lengths = call.lengths.cpu()
+        c = model.chunk_size
+        key = torch.where(
+            lengths <= c, torch.tensor([_chunk_for(int(x), c) for x in lengths.tolist()]), c * (-(-lengths // c))
+        )
+        buckets = [
+            whole.rows((key == k).nonzero().squeeze(1).to(call.lengths.device), _chunk_for(int(k), c))
+            for k in torch.unique(key)
+        ]
+        if len(buckets) > 1 and sum(model.call(b) for b in buckets) < model.call(whole):
+            calls.extend(buckets)
+        else:
+            calls.append(whole)
+    return LinearPlan(calls, plan.num_tokens, plan.mode)
