@@ -430,9 +430,8 @@ def bucket_by_length(plan: LinearPlan, cost_model: LinearCostModel | None = None
         whole = call.rows(torch.arange(w, device=call.lengths.device), _chunk_for(t, model.chunk_size))
         lengths = call.lengths.cpu()
         c = model.chunk_size
-        key = torch.where(
-            lengths <= c, torch.tensor([_chunk_for(int(x), c) for x in lengths.tolist()]), c * (-(-lengths // c))
-        )
+        small = torch.tensor([_chunk_for(int(x), c) for x in lengths.tolist()])
+        key = torch.where(lengths <= c, small, c * (-(-lengths // c)))  # pow2 up to c, then whole chunks
         buckets = [
             whole.rows((key == k).nonzero().squeeze(1).to(call.lengths.device), _chunk_for(int(k), c))
             for k in torch.unique(key)
