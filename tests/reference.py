@@ -4,13 +4,16 @@ These are what harts must reproduce. They are deliberately plain: one stock ``mo
 call per trajectory, no packing (stock packing leaks linear-attention state between sequences),
 no cache.
 
-Gradients are compared against the stock forward run in fp64. The stock linear-attention
-fallbacks cast to fp32 inside, and their chunked fp32 gradients of the decay parameters
-(``A_log``, ``dt_bias``) are off from the exact value by up to ~6e-4 relative on tiny models
-(measured), more than the tolerance; so for the fp64 reference those two kernel functions are
-swapped, in the stock modeling module, for the plain fp64 recurrence of
-``harts.ops.delta_rule_naive``. Everything else (projections, conv, gates, norms, MoE, attention)
-is the stock code.
+Gradients are compared against the stock forward run in fp64, and in fp64 throughout: the stock
+code casts to fp32 in several places whatever the model's dtype (the linear-attention fallbacks,
+RMSNorm and gated RMSNorm, the KDA forget gate, the MoE routers' logits and softmax). Decay
+parameter gradients (``A_log``, ``dt_bias``) are sums with heavy cancellation, and those fp32
+islands put the stock fp32 result up to ~6e-4 and a half-fp64 reference up to ~2e-4 relative off
+the exact value on tiny models (measured), more than the tolerance. So, during the reference
+run only, :func:`exact_linear_kernels` swaps the two chunked kernels for the plain fp64
+recurrence of ``harts.ops.delta_rule_naive`` and keeps fp64 tensors from being cast down to
+fp32 (``Tensor.float/.to/.type`` and ``softmax(dtype=float32)`` return fp64 for fp64 input).
+Everything else is the stock code.
 """
 
 from __future__ import annotations
@@ -63,14 +66,51 @@ def _exact_delta_rule(
 _KERNEL_NAMES = ("chunk_kimi_delta_attention", "torch_chunk_gated_delta_rule")
 
 
+def _keep64(dtype, source_dtype):
+    return torch.float64 if source_dtype == torch.float64 and dtype == torch.float32 else dtype
+
+
+@contextlib.contextmanager
+def _no_fp32_downcasts():
+    """Inside: an fp64 tensor asked to become fp32 stays fp64."""
+    tensor, functional = torch.Tensor, torch.nn.functional
+    saved = {"float": tensor.float, "to": tensor.to, "type": tensor.type, "softmax": functional.softmax}
+
+    def float_(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else saved["float"](self, *args, **kwargs)
+
+    def to(self, *args, **kwargs):
+        args = tuple(_keep64(a, self.dtype) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = _keep64(kwargs["dtype"], self.dtype)
+        return saved["to"](self, *args, **kwargs)
+
+    def type_(self, dtype=None, *args, **kwargs):
+        if dtype is None:
+            return saved["type"](self)
+        return saved["type"](self, _keep64(dtype, self.dtype), *args, **kwargs)
+
+    def softmax(input, *args, dtype=None, **kwargs):
+        return saved["softmax"](input, *args, dtype=_keep64(dtype, input.dtype), **kwargs)
+
+    tensor.float, tensor.to, tensor.type, functional.softmax = float_, to, type_, softmax
+    try:
+        yield
+    finally:
+        tensor.float, tensor.to, tensor.type = saved["float"], saved["to"], saved["type"]
+        functional.softmax = saved["softmax"]
+
+
 @contextlib.contextmanager
 def exact_linear_kernels(model):
+    """The stock fp64 model computing in fp64 throughout (see the module docstring)."""
     module = sys.modules[type(model).__module__]
     saved = {name: getattr(module, name) for name in _KERNEL_NAMES if hasattr(module, name)}
     try:
         for name in saved:
             setattr(module, name, _exact_delta_rule)
-        yield
+        with _no_fp32_downcasts():
+            yield
     finally:
         for name, fn in saved.items():
             setattr(module, name, fn)
@@ -128,3 +168,24 @@ def grad_relative_errors(got: dict, ref: dict) -> dict[str, float]:
         # as ~1e-17 in fp64 and ~1e-10 in fp32; below a norm of 1e-6 the check is absolute.
         errors[name] = (g - r).norm().item() / max(r.norm().item(), GRAD_FLOOR)
     return errors
+
+
+def gradient_failures(got: dict, exact: dict, stock32: dict | None = None) -> dict[str, str]:
+    """Parameters whose gradient misses the bound, with the figures; empty when all pass.
+
+    The bound is ``GRAD_RTOL`` relative to the exact (fp64) gradient. A parameter whose gradient
+    is a sum with heavy cancellation (a decay ``A_log`` under a clipped RL loss, say) can be out
+    of fp32's reach: if the stock fp32 per-trajectory computation itself misses ``GRAD_RTOL`` on
+    it (``stock32`` given), harts must be within twice the stock's own error instead, i.e. at
+    least as exact as the training it replaces. Both errors are reported either way.
+    """
+    mine = grad_relative_errors(got, exact)
+    theirs = grad_relative_errors(stock32, exact) if stock32 is not None else {}
+    failures = {}
+    for name, err in mine.items():
+        bound = max(GRAD_RTOL, 2 * theirs.get(name, 0.0))
+        if err > bound:
+            failures[name] = (
+                f"relative error {err:.2e} > {bound:.2e} (stock fp32: {theirs.get(name, float('nan')):.2e})"
+            )
+    return failures

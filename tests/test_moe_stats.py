@@ -1,0 +1,220 @@
+"""MoE statistics of a forest equal those of the flat batch (design.md section 5, "MoE").
+
+The flat batch is every trajectory right-padded into one stock batch with its attention mask.
+The forest runs each unique token once and weights it by its multiplicity; the flat side runs
+the stock model and reads the same router outputs through the same hooks (and, for the aux
+loss, the stock ``output_router_logits=True`` path with the stock ``load_balancing_loss_func``).
+
+- Expert counts (bailing_hybrid, kimi_linear, qwen3_next): exactly equal integers, also equal
+  to counting, in plain loops, the experts of each trajectory run alone.
+- qwen3_next aux loss: value within 1e-5 relative of the stock one; gradient with respect to
+  every parameter (router weights included) within 1e-4 relative of the stock fp64 gradient.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import harts
+from harts.models import tiny_model
+from harts.objectives import (
+    LossKind,
+    MoEConfig,
+    PolicyLossConfig,
+    Rollout,
+    RouterRecorder,
+    bias_update,
+    load_balancing_loss,
+    moe_stats,
+    rollout_step,
+)
+from tests.reference import GRAD_RTOL, exact_linear_kernels, fp64_copy, grad_relative_errors, param_grads
+
+MOE_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next")
+AUX_RTOL = 1e-5
+VOCAB = 128
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def model_of(family: str):
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family, seed=7)
+    return _MODELS[family]
+
+
+def _forests() -> dict[str, list[list[int]]]:
+    rng = random.Random(11)
+
+    def seq(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    p = seq(8)
+    star = [p + seq(n) for n in (4, 7, 3, 9)]
+    nested = [p[:3] + [40, 41] + seq(5), p[:3] + [40, 41] + seq(2), p[:3] + [42] + seq(6), p[:3]]
+    return {
+        # one prompt, four completions, two of them duplicated
+        "star-dups-P8-G6": star + [list(star[1]), list(star[3])],
+        # branches at depths 3 and 5, a trajectory that ends where others branch, and a second root
+        "nested-branches-2roots": nested + [list(nested[0]), seq(7)],
+    }
+
+
+FORESTS = _forests()
+
+
+def padded_batch(trajectories) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask [B, T]): right padding with the pad token."""
+    width = max(len(t) for t in trajectories)
+    ids = torch.zeros(len(trajectories), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, t in enumerate(trajectories):
+        ids[i, : len(t)] = torch.tensor(t)
+        mask[i, : len(t)] = 1
+    return ids, mask
+
+
+def loop_counts(indices: list[torch.Tensor], keep: list[bool], num_experts: int) -> list[list[int]]:
+    """Counts written plainly: for every layer, every kept token, every chosen expert, add one."""
+    counts = [[0] * num_experts for _ in indices]
+    for layer, idx in enumerate(indices):
+        for token, experts in enumerate(idx.tolist()):
+            if keep[token]:
+                for e in experts:
+                    counts[layer][e] += 1
+    return counts
+
+
+@pytest.mark.parametrize("shape", list(FORESTS))
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_counts_equal_flat_batch(family, shape):
+    model, trajs = model_of(family), FORESTS[shape]
+    forest = harts.build_forest(trajs)
+    assert forest.num_tokens < forest.num_flat_tokens and int(forest.token_multiplicity.max()) >= 3
+    with torch.no_grad():
+        with RouterRecorder(model) as rec:
+            harts.forward(model, forest)
+        tree = moe_stats(rec, forest)
+
+        ids, mask = padded_batch(trajs)
+        with RouterRecorder(model) as flat_rec:
+            model(input_ids=ids, attention_mask=mask)
+        flat = moe_stats(flat_rec, mask.reshape(-1))
+        keep = mask.reshape(-1).bool().tolist()
+        flat_loop = loop_counts(flat_rec.indices, keep, flat_rec.num_experts)
+
+        alone = [[0] * rec.num_experts for _ in rec.layers]  # each trajectory alone, no padding
+        for t in trajs:
+            with RouterRecorder(model) as one:
+                model(input_ids=torch.tensor([t]))
+            for layer, row in enumerate(loop_counts(one.indices, [True] * len(t), one.num_experts)):
+                alone[layer] = [a + b for a, b in zip(alone[layer], row, strict=True)]
+
+        with RouterRecorder(model) as flat_forest_rec:
+            flat_forest = harts.build_forest(trajs, share_prefixes=False)
+            harts.forward(model, flat_forest)
+        flat_layout = moe_stats(flat_forest_rec, flat_forest)
+
+    assert tree.expert_counts.dtype == torch.int64
+    assert tree.expert_counts.tolist() == flat_loop == alone
+    assert torch.equal(tree.expert_counts, flat.expert_counts)
+    assert torch.equal(tree.expert_counts, flat_layout.expert_counts)
+    top_k = model.config.num_experts_per_tok
+    assert int(tree.tokens) == forest.num_flat_tokens == int(flat.tokens)
+    assert tree.expert_counts.sum(1).tolist() == [top_k * forest.num_flat_tokens] * len(rec.layers)
+    assert (tree.aux_loss is not None) == (family == "qwen3_next")
+
+
+@pytest.mark.parametrize("shape", list(FORESTS))
+def test_qwen3_next_aux_loss_and_gradient_equal_stock_flat_batch(shape):
+    model, trajs = model_of("qwen3_next"), FORESTS[shape]
+    forest = harts.build_forest(trajs)
+    ids, mask = padded_batch(trajs)
+
+    model.zero_grad(set_to_none=True)
+    with RouterRecorder(model) as rec:
+        harts.forward(model, forest)
+    aux = moe_stats(rec, forest).aux_loss
+    aux.backward()
+    got = param_grads(model)
+
+    with torch.no_grad():  # the stock fp32 path, as a trainer would call it
+        stock32 = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    model64 = fp64_copy(model)
+    model64.zero_grad(set_to_none=True)
+    with exact_linear_kernels(model64):
+        out64 = model64(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    out64.aux_loss.backward()
+    ref = param_grads(model64)
+    # The recorded flat logits through harts' own function: the same number, so the formula is the stock one.
+    with torch.no_grad():
+        ours_on_flat = load_balancing_loss(list(out64.router_logits), mask.reshape(-1), rec.top_k)
+
+    stock = {"stock fp32": stock32, "stock fp64": out64.aux_loss.detach(), "ours on flat": ours_on_flat}
+    for name, value in stock.items():
+        err = abs(float(aux.detach()) - float(value)) / abs(float(value))
+        assert err <= AUX_RTOL, f"aux loss vs {name}: relative error {err:.2e}"
+    errors = grad_relative_errors(got, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.2e}"
+    routers = [n for n in ref if n.endswith("mlp.gate.weight")]
+    assert routers and all(ref[n].norm() > 1e-4 for n in routers)
+
+
+def _rollouts(trajs):
+    return [Rollout(t, rollout_logprobs=[-1.0] * len(t), advantages=0.5) for t in trajs]
+
+
+def test_rollout_step_adds_the_aux_loss():
+    model, trajs = model_of("qwen3_next"), FORESTS["star-dups-P8-G6"]
+    config = PolicyLossConfig(kind=LossKind.PPO)
+    with torch.no_grad():
+        plain = rollout_step(model, _rollouts(trajs), config)
+        with_aux = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig(aux_loss_coef=0.01))
+        default = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig())
+    assert plain.moe is None and "moe_aux_loss" not in plain.metrics
+    aux = with_aux.moe.aux_loss
+    assert torch.allclose(with_aux.loss, plain.loss + 0.01 * aux, rtol=1e-6, atol=0)
+    assert with_aux.metrics["moe_aux_loss"] == aux and with_aux.metrics["loss"] == with_aux.loss
+    coef = model.config.router_aux_loss_coef
+    assert coef > 0 and torch.allclose(default.loss, plain.loss + coef * aux, rtol=1e-6, atol=0)
+    assert int(with_aux.moe.tokens) == sum(len(t) for t in trajs)
+
+
+def test_moe_options_refused_before_compute():
+    calls = []
+    for family, moe, match in [
+        ("llama", MoEConfig(), "known routers"),
+        ("bailing_hybrid", MoEConfig(aux_loss_coef=0.01), "bias_update"),
+        ("qwen3_next", MoEConfig(aux_loss_coef=-1.0), ">= 0"),
+    ]:
+        model = model_of(family) if family != "llama" else tiny_model("llama", seed=0)
+        handle = model.model.embed_tokens.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            with pytest.raises(ValueError, match=match):
+                rollout_step(model, _rollouts([[3, 4, 5]]), PolicyLossConfig(), moe=moe)
+        finally:
+            handle.remove()
+    assert calls == []
+
+
+def test_recorder_refuses_mismatched_weights():
+    model = model_of("kimi_linear")
+    forest = harts.build_forest([[3, 4, 5], [3, 4, 6]])
+    with torch.no_grad(), RouterRecorder(model) as rec:
+        harts.forward(model, forest)
+        harts.forward(model, forest)  # two forwards in one recording: 2N rows per layer
+    with pytest.raises(ValueError, match="recorded 8 tokens but weight has 4"):
+        moe_stats(rec, forest)
+    with pytest.raises(RuntimeError, match="no router output"):
+        moe_stats(RouterRecorder(model), forest)
+
+
+def test_bias_update_is_deepseek_v3_sign_rule():
+    counts = torch.tensor([[10, 2, 6, 6], [0, 0, 0, 12]])
+    delta = bias_update(counts, speed=0.001)
+    # layer means 6 and 3: overloaded experts go down, underloaded up, exactly-average ones stay
+    expected = torch.tensor([[-0.001, 0.001, 0.0, 0.0], [0.001, 0.001, 0.001, -0.001]])
+    assert torch.allclose(delta, expected, rtol=0, atol=1e-9)
