@@ -13,6 +13,7 @@ from harts.bench_flops import flop_model, forest_flops, ideal_speedup
 from harts.bench_report import markdown, write_outputs
 from harts.data.synthetic import scaled
 from harts.models import tiny_model
+from harts.plan.waves import plan_linear
 
 ROW_FIELDS = {
     "family", "shape", "trajectories", "unique_tokens", "flat_tokens", "redundancy", "flops_tree",
@@ -43,8 +44,11 @@ def test_harness_smoke(tmp_path):
             assert v["loss_rel_diff_vs_stock"] < 1e-5, (row["family"], row["shape"], name)
         linear = row["flop_model"]["num_linear_layers"] > 0
         assert (row["variants"]["tree"]["linear_calls"] is not None) == linear
-        if linear:
-            assert row["variants"]["flat"]["linear_calls"] == 1
+        if linear:  # the flat layout's plan: one dependency level, split only by segment length
+            trajs = make_trajectories(row["shape"], resolved, vocab)
+            flat_plan = plan_linear(harts.build_forest(trajs, share_prefixes=False))
+            assert all(node < 0 for call in flat_plan.calls for node in call.init_node)
+            assert row["variants"]["flat"]["linear_calls"] == flat_plan.num_calls
     assert "| family | shape |" in markdown(results)
     write_outputs(results, tmp_path)
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()
