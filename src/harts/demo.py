@@ -5,8 +5,8 @@ layer with interleaved RoPE and output gate, MoE with a shared expert) and a syn
 forest (a long shared system prompt, several turns, branches where earlier-turn thinking is
 dropped). The same objective (sum of next-token log-probs of every trajectory) runs forward and
 backward once in the tree layout and once in the flat layout, through the same executor and
-kernels; the demo prints the redundancy, both times, the speedup, and the largest logit and
-gradient differences between the two layouts.
+kernels; the demo prints the redundancy, both times, the speedup (and the FLOP-ideal one, see
+docs/benchmarks.md), and the largest logit and gradient differences between the two layouts.
 
 Usage: ``python -m harts.demo [--system-len 1200] [--seed 0]``.
 """
@@ -19,6 +19,7 @@ import time
 import torch
 
 import harts
+from harts.bench_flops import flop_model, ideal_speedup
 from harts.data.synthetic import agentic
 from harts.models import tiny_model
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"redundancy (flat tokens / unique tokens): {tree.redundancy:.2f}")
     print(f"tree step (forward+backward): {t_tree:.3f} s")
     print(f"flat step (forward+backward): {t_flat:.3f} s")
-    print(f"speedup: {t_flat / t_tree:.2f}x")
+    print(f"speedup: {t_flat / t_tree:.2f}x (FLOP-ideal {ideal_speedup(flop_model(model), tree, flat):.2f}x)")
     print(f"max |logit diff| tree vs flat: {logit_diff:.2e}")
     print(f"max gradient relative diff tree vs flat: {grad_err:.2e}")
 
