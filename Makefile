@@ -24,7 +24,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 
 bench: $(VENV)/.installed
-	$(PY) -m harts.bench
+	$(PY) -m pip install -q -e ".[bench]"
+	$(VENV)/bin/harts bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
