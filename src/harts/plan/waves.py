@@ -141,17 +141,18 @@ class LinearCostModel:
     segment sets the call's critical path), ``+ boundary_cost * W * S`` (each emitted inner state
     replays one chunk), ``+ call_cost`` (gathers, per-call setup, kernel launches).
 
-    Defaults: fwd+bwd of ``chunked_gated_delta_rule`` on one CPU thread, H = 4, K = V = 32, where
-    a slot takes about 50-60 us, a boundary about 5 slots, and the per-step and per-call terms
-    were below the noise of a least-squares fit (a few slots; kept small and positive so ties go
-    to fewer calls and shorter critical paths). On a GPU slots are nearly free until the device
-    is full and calls and steps dominate: refit there before trusting AUTO.
+    Defaults: fwd+bwd of ``chunked_gated_delta_rule`` on one CPU thread, H = 4, K = V = 32. A
+    slot takes about 25-30 us in calls of 500 slots and more; a call of one 8-token segment takes
+    1.3 ms whatever its size, about 45 slots, and its gathers and state stacking add a few more:
+    ``call_cost`` = 50. A boundary costs about 5 slots; the per-step term was below the noise.
+    On a GPU slots are nearly free until the device is full and calls and steps dominate: refit
+    there before trusting AUTO.
     """
 
     chunk_size: int = 64
     step_cost: float = 4.0
     boundary_cost: float = 5.0
-    call_cost: float = 16.0
+    call_cost: float = 50.0
 
     def shape(self, w: int, t: int, s: int = 0, chunk_size: int | None = None) -> float:
         """Cost of one call of W segments, T tokens, S inner boundaries."""
@@ -407,7 +408,13 @@ def plan_linear(
     for budget in [None, *range(max(f[r] for r in roots), forest.max_depth + 1)]:
         candidates.append((PlanMode.CHAIN, budget, _call_shapes(*_chains(forest, f, heavy, budget), lengths)))
     best, budget, _ = min(candidates, key=lambda c: (sum(model.shape(*s) for s in c[2]), len(c[2])))
-    return finish(depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget))
+    chosen = finish(depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget))
+    if bucket and best is not PlanMode.DEPTH:
+        # Splitting by length helps one-node segments most: the bucketed depth plan can win.
+        depth = finish(depth_wave_plan(forest))
+        if model.plan(depth) < model.plan(chosen):
+            return depth
+    return chosen
 
 
 def _chunk_for(t: int, max_chunk: int) -> int:
