@@ -408,7 +408,8 @@ def plan_linear(
     for budget in [None, *range(max(f[r] for r in roots), forest.max_depth + 1)]:
         candidates.append((PlanMode.CHAIN, budget, _call_shapes(*_chains(forest, f, heavy, budget), lengths)))
     best, budget, _ = min(candidates, key=lambda c: (sum(model.shape(*s) for s in c[2]), len(c[2])))
-    chosen = finish(depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget))
+    unsplit = depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget)
+    chosen = finish(unsplit)
     if bucket and best is not PlanMode.DEPTH:
         # Splitting by length helps one-node segments most: the bucketed depth plan can win.
         depth = finish(depth_wave_plan(forest))
