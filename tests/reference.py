@@ -19,15 +19,23 @@ Everything else is the stock code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
 
+from harts.models import tiny_model
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 
 LOGIT_ATOL = 1e-4  # design.md section 4: fp32 max |logit diff|
 GRAD_RTOL = 1e-4  # design.md section 4: fp32 gradient relative error
 GRAD_FLOOR = 1e-6  # norms below this are compared absolutely (see grad_relative_errors)
+
+
+@functools.cache
+def cached_model(family: str, seed: int = 7) -> torch.nn.Module:
+    """One tiny model per (family, seed) for the whole test session (tests zero its grads first)."""
+    return tiny_model(family, seed=seed)
 
 
 def stock_logits(model, trajectory) -> torch.Tensor:

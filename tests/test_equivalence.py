@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.models import FAMILIES, tiny_model
+from harts.models import FAMILIES
 from tests.reference import (
     GRAD_RTOL,
     LOGIT_ATOL,
+    cached_model,
     functional_weights,
     grad_relative_errors,
     param_grads,
@@ -27,13 +28,10 @@ from tests.reference import (
 )
 
 VOCAB = 128
-_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def model_of(family: str):
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family, seed=7)
-    return _MODELS[family]
+    return cached_model(family, seed=7)
 
 
 def _seq(rng: random.Random, n: int) -> list[int]:

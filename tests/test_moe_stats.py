@@ -31,18 +31,22 @@ from harts.objectives import (
     moe_stats,
     rollout_step,
 )
-from tests.reference import GRAD_RTOL, exact_linear_kernels, fp64_copy, grad_relative_errors, param_grads
+from tests.reference import (
+    GRAD_RTOL,
+    cached_model,
+    exact_linear_kernels,
+    fp64_copy,
+    grad_relative_errors,
+    param_grads,
+)
 
 MOE_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next")
 AUX_RTOL = 1e-5
 VOCAB = 128
-_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def model_of(family: str):
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family, seed=7)
-    return _MODELS[family]
+    return cached_model(family, seed=7)
 
 
 def _forests() -> dict[str, list[list[int]]]:

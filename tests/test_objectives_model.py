@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import harts
-from harts.models import FAMILIES, tiny_model
+from harts.models import FAMILIES
 from harts.objectives import (
     Aggregation,
     LossKind,
@@ -57,6 +57,7 @@ from harts.objectives import (
 )
 from tests.reference import (
     GRAD_RTOL,
+    cached_model,
     exact_linear_kernels,
     fp64_copy,
     grad_relative_errors,
@@ -134,14 +135,11 @@ class Case:
     stock32: Case | None = None  # the same reference from the stock fp32 model (conditioning)
 
 
-_MODELS: dict[str, torch.nn.Module] = {}
 _CASES: dict[tuple[str, str], Case] = {}
 
 
 def model_of(family):
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family, seed=7)
-    return _MODELS[family]
+    return cached_model(family, seed=7)
 
 
 def case_of(family: str, shape: str) -> Case:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import harts
-from harts.models import FAMILIES, tiny_model
+from harts.models import FAMILIES
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
 from harts.step import forest_backward, next_token_rows
-from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads
+from tests.reference import GRAD_RTOL, cached_model, grad_relative_errors, param_grads
 from tests.test_equivalence import EDGE
 
 SPLIT_FORESTS = {
@@ -31,13 +31,10 @@ CASES = [
     ("duplicates+roots", 9),
     ("duplicates+roots", 2),
 ]
-_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def model_of(family):
-    if family not in _MODELS:
-        _MODELS[family] = tiny_model(family, seed=11)
-    return _MODELS[family]
+    return cached_model(family, seed=11)
 
 
 def _step(model, forest, budget):
