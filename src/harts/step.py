@@ -175,7 +175,8 @@ def forest_backward(
     grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
 
     # 3. recompute and backward, last part first; gradients flow back through the banks
-    sent_back: list[dict[int, torch.Tensor]] = [{} for _ in layouts]  # part -> {tensor slot: grad}
+    # per part: {(layer, "key" | "value" | "conv_input" | "state", node or None): gradient of its export}
+    sent_back: list[dict[tuple[int, str, int | None], torch.Tensor]] = [{} for _ in layouts]
     for p in range(len(layouts) - 1, -1, -1):
         lay, rows = layouts[p], row_parts[p]
         ext = external_for(lay, banks)
