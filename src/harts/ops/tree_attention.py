@@ -6,9 +6,9 @@ computed once per unique query token.
 
 Two forms live here:
 
-- the plain form (:func:`masked_tree_attention`, :func:`blockwise_tree_attention`): one
-  scaled_dot_product_attention (SDPA) call per root tree with a dense boolean ancestor mask
-  [n, n]. Exact and simple, the reference for the grouped form; cost and memory O(n^2) per tree.
+- the plain form (:func:`masked_tree_attention` with :func:`plan_reference_mask`): one
+  scaled_dot_product_attention (SDPA) call with a dense boolean mask [n, m]. Exact and simple,
+  the reference the tests hold the grouped form to; cost and memory O(n m).
 - the grouped form (:func:`plan_tree_attention`, :func:`tree_attention`): each node's queries,
   split into query blocks, attend to [ancestor keys ; own keys], gathered by index; blocks of
   similar shape are padded into a few batched SDPA calls. Cost is about the exact cost, the sum
@@ -43,9 +43,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "ancestor_mask",
     "masked_tree_attention",
-    "blockwise_tree_attention",
     "TreeAttentionPlan",
     "plan_tree_attention",
     "plan_reference_mask",
@@ -65,20 +63,6 @@ _MIN_BUDGET_ROWS = 64
 _DEFAULT_GROUP_TOKENS = 1 << 24
 
 
-def ancestor_mask(token_node: torch.Tensor, node_ancestor: torch.Tensor) -> torch.Tensor:
-    """[N, N] bool: ``mask[i, j]`` is True when token j lies on token i's path at or before i.
-
-    ``token_node`` [N] is each token's node and ``node_ancestor`` [M, M] says whether node b is an
-    ancestor of node a or a itself. Tokens are stored parents-first and node-contiguous, so a
-    token of a strict ancestor node always has a smaller index; inside one node the causal
-    lower triangle decides.
-    """
-    same_path = node_ancestor[token_node][:, token_node]
-    n = token_node.numel()
-    causal = torch.ones(n, n, dtype=torch.bool, device=token_node.device).tril_()
-    return same_path & causal
-
-
 def masked_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -95,14 +79,6 @@ def masked_tree_attention(
         v = v.repeat_interleave(h // hkv, dim=0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return out.transpose(0, 1)
-
-
-def blockwise_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks, scaling: float
-) -> torch.Tensor:
-    """:func:`masked_tree_attention` over independent blocks ``(start, end, mask)``. Returns [N, H, Dv]."""
-    outs = [masked_tree_attention(q[:, s:e], k[:, s:e], v[:, s:e], mask, scaling) for s, e, mask in blocks]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 # ---- grouped form ------------------------------------------------------------------------------
