@@ -278,6 +278,25 @@ def _neighbour_lcp(arrays: list[np.ndarray], lengths: np.ndarray) -> np.ndarray:
     return lcp
 
 
+def node_depth_and_subtree_end(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth [M] and exclusive subtree end [M] of nodes stored parents first (pre-order).
+
+    Depths go forward, subtree ends fold backward: one Python step per node, never per token.
+    """
+    parent_l = np.asarray(parent).tolist()
+    m = len(parent_l)
+    depth = [0] * m
+    for n, p in enumerate(parent_l):
+        if p >= 0:
+            depth[n] = depth[p] + 1
+    end = list(range(1, m + 1))
+    for n in range(m - 1, -1, -1):
+        p = parent_l[n]
+        if p >= 0 and end[n] > end[p]:
+            end[p] = end[n]
+    return np.asarray(depth, dtype=np.int64), np.asarray(end, dtype=np.int64)
+
+
 def build_forest(trajectories, share_prefixes: bool = True) -> Forest:
     """Merge token sequences by common prefix into a :class:`Forest`.
 
@@ -368,30 +387,24 @@ def build_forest(trajectories, share_prefixes: bool = True) -> Forest:
     # Unique tokens: chain r contributes arrays[r][lcp[r]:], already in node order.
     tokens = np.concatenate([arrays[r][d:] for r, d in enumerate(lcp_l) if arrays[r].size > d])
 
-    # Depths forward (parents first), multiplicities and subtree ends backward: one step per node.
+    depth, subtree_end = node_depth_and_subtree_end(node_parent)
+    # Multiplicities backward (children after parents): one step per node.
     parent_l = node_parent.tolist()
-    depth = [0] * m
-    for n, p in enumerate(parent_l):
-        if p >= 0:
-            depth[n] = depth[p] + 1
     mult = np.bincount(traj_end, minlength=m).tolist()
-    subtree_end = list(range(1, m + 1))
     for n in range(m - 1, 0, -1):
         p = parent_l[n]
         if p >= 0:
             mult[p] += mult[n]
-            if subtree_end[n] > subtree_end[p]:
-                subtree_end[p] = subtree_end[n]
     length_t = torch.from_numpy(node_length)
     return Forest(
         tokens=torch.from_numpy(tokens),
         node_start=torch.cumsum(length_t, 0) - length_t,
         node_length=length_t,
         node_parent=torch.from_numpy(node_parent),
-        node_depth=torch.tensor(depth, dtype=torch.long),
+        node_depth=torch.from_numpy(depth),
         node_path_start=torch.from_numpy(node_path_start),
         node_multiplicity=torch.tensor(mult, dtype=torch.long),
-        node_subtree_end=torch.tensor(subtree_end, dtype=torch.long),
+        node_subtree_end=torch.from_numpy(subtree_end),
         trajectory_end_node=torch.from_numpy(traj_end),
         trajectory_length=torch.from_numpy(lengths),
         node_trajectory=torch.from_numpy(order[node_chain]),

@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from harts.forest import Forest
+from harts.forest import Forest, node_depth_and_subtree_end
 from harts.ops.tree_attention import TreeAttentionPlan, plan_tree_attention
 from harts.plan.micro_batches import Part
 from harts.plan.waves import LinearPlan, PlanMode, plan_linear
@@ -47,15 +47,7 @@ def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
     local_of[nodes] = np.arange(nodes.size)
     gparent = forest.node_parent.numpy()[nodes]
     parent = np.where(gparent >= 0, local_of[np.maximum(gparent, 0)], -1)
-    m = nodes.size
-    depth = np.zeros(m, dtype=np.int64)
-    for n in range(m):
-        if parent[n] >= 0:
-            depth[n] = depth[parent[n]] + 1
-    subtree_end = np.arange(1, m + 1)
-    for n in range(m - 1, -1, -1):
-        if parent[n] >= 0:
-            subtree_end[parent[n]] = max(subtree_end[parent[n]], subtree_end[n])
+    depth, subtree_end = node_depth_and_subtree_end(parent)
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
     local = Forest(
         tokens=forest.tokens[t(global_tokens)],

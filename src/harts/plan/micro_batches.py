@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.forest import Forest
+from harts.forest import Forest, node_depth_and_subtree_end
 
 __all__ = ["Part", "MicroBatchPlan", "split_long_nodes", "plan_micro_batches"]
 
@@ -51,14 +51,7 @@ def split_long_nodes(forest: Forest, max_length: int) -> Forest:
     parent_last = np.where(old_parent >= 0, first_piece[old_parent] + pieces[old_parent] - 1, -1)
     parent = np.where(piece_idx == 0, parent_last[old_of_new], np.arange(new_count) - 1)
     path_start = forest.node_path_start.numpy()[old_of_new] + piece_idx * max_length
-    depth = np.zeros(new_count, dtype=np.int64)
-    for n in range(new_count):
-        if parent[n] >= 0:
-            depth[n] = depth[parent[n]] + 1
-    subtree_end = np.arange(1, new_count + 1)
-    for n in range(new_count - 1, -1, -1):  # children come after parents: fold ends upwards
-        if parent[n] >= 0:
-            subtree_end[parent[n]] = max(subtree_end[parent[n]], subtree_end[n])
+    depth, subtree_end = node_depth_and_subtree_end(parent)
     last_piece = first_piece + pieces - 1
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
     return Forest(
