@@ -3,10 +3,15 @@
 A forest's nodes become the plan's nodes; with ``cut`` > 0 the first ``cut`` nodes (pre-order)
 are external: their tokens exist only as keys (computed in an earlier micro-batch), so the key
 space is larger than the query space and query rows are shifted by the external token count.
-Outputs and gradients of q, k, v are compared in float64; one float32 case runs the flash path.
+Outputs and gradients of q, k, v are compared in float64; float32 cases run CPU flash attention.
+``fused=False`` sends every group down the backward that recomputes the group's forward (the path
+of non-CPU devices) instead of CPU flash attention's fused backward kernel.
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from harts.ops.tree_attention import (
     tree_attention,
 )
 
+TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
 ATOL_OUT = 1e-10
 ATOL_GRAD = 1e-10
 SCALE = 0.35
@@ -76,8 +82,18 @@ def _plan_args(forest, cut):
     ), ext
 
 
+@contextlib.contextmanager
+def _fused(on: bool):
+    """CPU flash attention's fused kernels (True) or the recompute path of other devices (False)."""
+    old, TA._FUSED_CPU = TA._FUSED_CPU, on
+    try:
+        yield
+    finally:
+        TA._FUSED_CPU = old
+
+
 def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=torch.float64,
-           tol=(ATOL_OUT, ATOL_GRAD)):
+           tol=(ATOL_OUT, ATOL_GRAD), fused=True):
     atol, atol_grad = tol
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
@@ -89,8 +105,9 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     v = torch.randn(hkv, m, dv, dtype=dtype, requires_grad=True)
     w = torch.randn(n, h, dv, dtype=dtype)
     plan = plan_tree_attention(**args, max_group_tokens=budget)
-    out = tree_attention(q, k, v, plan, SCALE)
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    with _fused(fused):
+        out = tree_attention(q, k, v, plan, SCALE)
+        grads = torch.autograd.grad((out * w).sum(), (q, k, v))
 
     # reference 1: the dense [n, m] mask of the same plan arguments
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
@@ -161,17 +178,22 @@ def test_plan_cost_is_near_exact():
     assert plan.padded_cost <= 1.5 * plan.exact_cost
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("trajs", [[[3]], [[7], [7], [8], [7, 9]]], ids=["lone-token", "one-token-trajs"])
-def test_lone_key_gives_exactly_zero_query_gradient(trajs):
-    """A query with a single key returns that value; in exact arithmetic its query gradient is zero."""
+def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused):
+    """A query with a single key returns that value; in exact arithmetic its query gradient is zero,
+    and so is the key gradient of a token no other token sees."""
     forest = harts.build_forest(trajs)
     args, _ = _plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 8, requires_grad=True) for _ in range(3))
-    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
-    (dq,) = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q,))
+    with _fused(fused):
+        out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+        dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
     first = forest.token_position == 0
     assert torch.equal(out[first], v[:, first].detach().transpose(0, 1))
     assert dq[:, first].abs().max() == 0
+    alone = first & (plan_reference_mask(**args).sum(0) == 1)  # roots no other query sees
+    assert alone.any() and dk[:, alone].abs().max() == 0
 
 
 def test_plan_rejects_uncovered_queries():
@@ -187,7 +209,115 @@ def test_plan_rejects_uncovered_queries():
     trajs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=8),
     cut_frac=st.floats(0, 0.9),
     budget=st.sampled_from([None, 64, 600]),
+    fused=st.booleans(),
 )
-def test_tree_attention_random_forests(trajs, cut_frac, budget):
+def test_tree_attention_random_forests(trajs, cut_frac, budget, fused):
     forest = harts.build_forest(trajs)
-    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget)
+    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget, fused=fused)
+
+
+# ---- backward: both paths, and what it saves ---------------------------------------------------
+# (forest, cut, heads, Dk, Dv, budget): each has groups with and without key padding; GQA/MQA,
+# lone-key groups, external keys (num_keys > num_queries).
+BACKWARD_CASES = {
+    "gqa-external": ("deep-binary-D5-S3", 2, (6, 2), 8, 3, 2048),
+    "gqa-lone-keys": ("one-token-nodes-D4", 0, (4, 2), 8, 5, 600),
+    "mqa-lone-keys-external": ("roots-R4", 1, (4, 1), 6, 10, 600),
+    "gqa-long-external": ("long-P700-G3", 1, (4, 2), 16, 16, None),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_tree_attention_backward_paths(case, dtype, fused):
+    name, cut, heads, dk, dv, budget = BACKWARD_CASES[case]
+    tol = (ATOL_OUT, ATOL_GRAD) if dtype == torch.float64 else (2e-5, 2e-5)
+    plan = _check(FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget, dtype=dtype, tol=tol,
+                  fused=fused)
+    assert any(g.pad_keys for g in plan.groups) and any(not g.pad_keys and g.lk > 1 for g in plan.groups)
+    assert any(g.lk == 1 for g in plan.groups) == ("lone" in case)
+    assert (plan.num_keys > plan.num_queries) == ("external" in case)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["f16", "bf16"])
+def test_tree_attention_half_precision(dtype, tol, fused):
+    """Half-precision inputs (key/value gradients summed over blocks in float32), loosely."""
+    _check(FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048, dtype=dtype,
+           tol=(tol, tol), fused=fused)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+def test_backward_kernel_choice(fused, monkeypatch):
+    """On CPU the fused flash backward serves every group with several keys, unless switched off."""
+    calls = []
+    kernel = TA._flash_backward
+    monkeypatch.setattr(TA, "_flash_backward", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    plan = _check(FORESTS["one-token-nodes-D4"], cut=1, fused=fused)
+    assert len(calls) == (sum(g.lk > 1 for g in plan.groups) if fused else 0) and (not fused or calls)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+def test_backward_saves_no_gathered_rows(fused):
+    """Saved for backward: q, k, v as passed, the output and per-group logsumexps; no gathered rows,
+    which on short nodes are several times the token count."""
+    forest = harts.build_forest(FORESTS["deep-binary-D5-S3"])
+    args, _ = _plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    n, m = args["num_queries"], args["num_keys"]
+    assert plan.key_index.numel() > 3 * m
+    q = torch.randn(4, n, 8, requires_grad=True)
+    k, v = (torch.randn(2, m, d, requires_grad=True) for d in (8, 6))
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with _fused(fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = tree_attention(q, k, v, plan, SCALE)
+    lse = 4 * sum(g.size * g.lq for g in plan.groups) * 4  # float32 [Hkv, G, r Lq]
+    inputs = sum(x.numel() * x.element_size() for x in (q, k, v))
+    assert sum(saved.values()) <= inputs + out.numel() * out.element_size() + lse
+    assert saved.keys() >= {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    with _fused(fused):
+        assert all(g.abs().sum() > 0 for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+def test_double_backward_is_refused():
+    forest = harts.build_forest(FORESTS["roots-R4"])
+    args, _ = _plan_args(forest, 0)
+    q, k, v = (torch.randn(2, forest.num_tokens, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    (dq,) = torch.autograd.grad((out * out).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+def test_lone_key_propagates_nan(fused):
+    """As SDPA would: a NaN query of a lone-key token makes its output NaN, the rest stay finite."""
+    forest = harts.build_forest([[7], [8, 9]])
+    args, _ = _plan_args(forest, 0)
+    q, k, v = (torch.randn(2, forest.num_tokens, 4) for _ in range(3))
+    q[:, 0] = float("nan")
+    q.requires_grad_()
+    with _fused(fused):
+        out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+        (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    assert not dq[:, 1:].isnan().any()
+
+
+def test_empty_queries():
+    """No query rows (every key external): an empty output."""
+    none = torch.zeros(0, dtype=torch.long)
+    args = dict(node_query_start=none, node_length=none, node_key_start=none, node_ancestor_keys=[],
+                num_queries=0, num_keys=5)
+    q = torch.randn(4, 0, 8, requires_grad=True)
+    k, v = torch.randn(2, 5, 8, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
+    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    ref = masked_tree_attention(q, k, v, plan_reference_mask(**args), SCALE)
+    assert out.shape == ref.shape == (0, 4, 3)

@@ -24,10 +24,18 @@ carry 1 there, real keys 0 and the padding key a huge negative number, so a padd
 is exactly -huge (weight 0, and finite, so a query row that sees only padding yields no NaN) and
 real scores are unchanged. Groups without key padding (all large blocks, which run alone) skip it.
 
-Limits: SDPA saves each group's gathered keys/values for backward, so attention memory grows
-with the key rows summed over query blocks (about the flat token count), not the unique tokens.
-In float16 a padding key's weight is exp(-finfo.max / 4 * scale - max score), zero only while
-scores stay above about -1000. CPU SDPA runs its fast (flash) kernel only with equal key and
+Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
+several times the token count). Saved are q, k, v as passed, the returned output and, per group
+run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats); backward gathers each group's
+rows again, runs the fused CPU flash backward kernel on them and adds the gradients back by index
+(key and value gradients, summed over blocks, in float32 for float16/bfloat16). Groups SDPA would
+not run by CPU flash attention (any other device) recompute their forward in backward and
+differentiate it by autograd: one more forward per group, and then the output is not saved.
+Where it is, modifying it in place before backward raises. No double backward (the backward is
+once-differentiable).
+
+Limits: in float16 a padding key's weight is exp(-finfo.max / 4 * scale - max score), zero only
+while scores stay above about -1000. CPU SDPA runs its fast (flash) kernel only with equal key and
 value head sizes and a 4-D mask, so the narrower of keys and values is zero-padded. Measured on
 2 CPU cores, fp32, 4 heads of 32: about 27 ns per (query, key) pair for fwd+bwd, tree or flat.
 
@@ -41,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "masked_tree_attention",
@@ -293,6 +302,8 @@ def tree_attention(
     """Exact tree attention by the groups of ``plan``. Returns [n, H, Dv]; differentiable in q, k, v.
 
     q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv]; query head h reads key/value head h // (H // Hkv).
+    Backward saves q, k, v as passed, the returned output and small per-group logsumexps, and
+    gathers again (module docstring, Backward); it supports no double backward.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"expected q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv], got {tuple(q.shape)}, "
@@ -304,14 +315,112 @@ def tree_attention(
                          "(H must be a multiple of Hkv)")
     if (n, m) != (plan.num_queries, plan.num_keys):
         raise ValueError(f"plan is for {plan.num_queries} queries and {plan.num_keys} keys, got {n} and {m}")
-    r = h // hkv
     if n == 0:
         return q.new_zeros(0, h, dv)
     if plan.key_index.device != q.device:
         raise ValueError(f"plan lives on {plan.key_index.device}, tensors on {q.device}")
-    q_rows, out_rows = plan.head_rows(hkv, r)
+    return _TreeAttention.apply(q, k, v, plan, scaling)
+
+
+# CPU groups run the fused flash kernels directly, so backward needs only each group's logsumexp;
+# False sends every group down the recompute path that other devices take (the tests use it).
+_FUSED_CPU = True
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _TreeAttention(torch.autograd.Function):
+    """:func:`tree_attention` with a backward that gathers the groups' rows again.
+
+    Autograd through the gathers would save every group's gathered queries, keys and values (the
+    key rows are several times the token count on forests of short nodes); this saves q, k, v as
+    passed, the returned output and, per fused CPU group, its logsumexp [Hkv, G, r * Lq].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: TreeAttentionPlan, scaling: float):
+        hkv, _, dv = v.shape
+        r = q.shape[0] // hkv
+        outs, lses = [], []
+        for g, _, _, qg, kg, vg in _gathered_groups(q, k, v, plan, scaling):
+            mask = plan.mask(g.lq, g.lk, r, q.dtype)
+            if g.lk > 1 and _fused(qg, kg, vg, mask, scaling):
+                out, lse = _flash_forward(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scaling)
+            else:
+                out, lse = _attend_group(g, qg, kg, vg, mask, scaling), None
+            outs.append(out[..., :dv].reshape(hkv, -1, dv))
+            lses.append(lse)
+        stacked = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hkv, R, Dv]
+        output = stacked.reshape(-1, dv)[plan.head_rows(hkv, r)[1]]
+        fused = any(lse is not None for lse in lses)
+        # The output is saved only for the fused backward (which reads it in sum(dO * O)); callers
+        # usually keep it anyway (the next op saves it), so it costs no extra memory there.
+        ctx.save_for_backward(q, k, v, output if fused else None, *lses)
+        ctx.plan, ctx.scaling = plan, scaling
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, output, *lses = ctx.saved_tensors
+        plan, scaling = ctx.plan, ctx.scaling
+        h, n, dk = q.shape
+        hkv, m, dv = v.shape
+        r = h // hkv
+        # The groups' stacked layout [Hkv, R, Dv] of the output's gradient (and of the output):
+        # padding query rows get zero gradient, which makes their output values irrelevant.
+        out_rows = plan.head_rows(hkv, r)[1].reshape(-1)
+        total = r * sum(g.size * g.lq for g in plan.groups)
+
+        def stacked(x):
+            rows = x.new_zeros(hkv * total, dv).index_put_((out_rows,), x.reshape(-1, dv))
+            return rows.view(hkv, total, dv)
+
+        grad_st, out_st = stacked(grad), None if output is None else stacked(output)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        # A query row gets one group's gradient; a key row sums over every block that reads it,
+        # accumulated in float32 for float16/bfloat16 inputs. Row m: the padding key, dropped.
+        acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+        dq_all = q.new_zeros(hkv, r * n, dk) if need_q else None
+        dk_all = k.new_zeros(hkv, m + 1, dk, dtype=acc) if need_k else None
+        dv_all = v.new_zeros(hkv, m + 1, dv, dtype=acc) if need_v else None
+        at = 0
+        for (g, q_rows, k_rows, qg, kg, vg), lse in zip(_gathered_groups(q, k, v, plan, scaling), lses,
+                                                         strict=True):
+            rows, dp = qg.shape[1] * qg.shape[2], qg.shape[-1]
+            grad_g = _widen(grad_st[:, at: at + rows], dp).reshape(qg.shape)
+            mask = plan.mask(g.lq, g.lk, r, q.dtype)
+            if lse is not None:
+                out_g = _widen(out_st[:, at: at + rows], dp).reshape(qg.shape)
+                gq, gk, gv = _flash_backward(grad_g, qg, kg, vg, out_g, lse, 0.0, False,
+                                             attn_mask=mask, scale=scaling)
+            else:
+                # Any device: this group's forward once more, differentiated by autograd.
+                with torch.enable_grad():
+                    leaves = [x.detach().requires_grad_() for x in (qg, kg, vg)]
+                    out = _attend_group(g, *leaves, mask, scaling)
+                    gq, gk, gv = torch.autograd.grad(out, leaves, grad_g)
+            if need_q:
+                dq_all.index_add_(1, q_rows, gq.reshape(hkv, rows, dp)[..., :dk])
+            if need_k:
+                dk_all.index_add_(1, k_rows, gk.reshape(hkv, -1, dp)[..., :dk].to(acc))
+            if need_v:
+                dv_all.index_add_(1, k_rows, gv.reshape(hkv, -1, dp)[..., :dv].to(acc))
+            at += rows
+        return (dq_all.view(h, n, dk) if need_q else None, dk_all[:, :m].to(k.dtype) if need_k else None,
+                dv_all[:, :m].to(v.dtype) if need_v else None, None, None)
+
+
+def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float):
+    """Per group of ``plan``, in order: (group, its rows of q [Hkv, r n, .], its key rows, and its
+    queries [Hkv, G, r * Lq, dp], keys and values [Hkv, G, Lk, dp], gathered and widened)."""
+    h, n, dk = q.shape
+    hkv, _, dv = v.shape
+    r = h // hkv
+    q_rows = plan.head_rows(hkv, r)[0]
     n_plain = sum(not g.pad_keys for g in plan.groups)
-    outs, q_at, k_at = [], 0, 0
+    q_at, k_at = 0, 0
     for groups, pad in ((plan.groups[:n_plain], False), (plan.groups[n_plain:], True)):
         if not groups:
             continue
@@ -324,29 +433,31 @@ def tree_attention(
             pad_key = k.new_zeros(hkv, 1, dp)
             pad_key[..., dk] = -torch.finfo(k.dtype).max / 4 / max(scaling, 1.0)
             kx, vx = torch.cat([kx, pad_key], dim=1), torch.cat([vx, v.new_zeros(hkv, 1, dp)], dim=1)
-        # One gather per tensor, then split: per-group gathers would each cost a zero-filled
-        # gradient of the whole input in backward. Query heads sharing a key/value head become
-        # extra query rows of one call ([G, r, Lq]).
-        q_sizes, k_sizes = [g.size * r * g.lq for g in groups], [g.size * g.lk for g in groups]
-        q_split = qx.index_select(1, q_rows[q_at: q_at + sum(q_sizes)]).split(q_sizes, dim=1)
-        k_rows = plan.key_index[k_at: k_at + sum(k_sizes)]
-        k_split = kx.index_select(1, k_rows).split(k_sizes, dim=1)
-        v_split = vx.index_select(1, k_rows).split(k_sizes, dim=1)
-        q_at, k_at = q_at + sum(q_sizes), k_at + sum(k_sizes)
-        for g, qg, kg, vg in zip(groups, q_split, k_split, v_split, strict=True):
-            qg = qg.view(hkv, g.size, r * g.lq, dp)
-            kg, vg = kg.view(hkv, g.size, g.lk, dp), vg.view(hkv, g.size, g.lk, dp)
-            if g.lk == 1:
-                # A lone key gets weight 1: its value, exactly, and exactly zero gradient for the
-                # query and key, which SDPA's backward leaves at rounding noise (~1e-6 in fp32).
-                # The zero term keeps q and k in the graph (and propagates NaN as SDPA would).
-                out = vg.expand(hkv, g.size, r, dp) + 0 * (qg[..., :1] + kg[..., :1])
-            else:
-                mask = plan.mask(g.lq, g.lk, r, q.dtype)
-                out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
-            outs.append(out[..., :dv].reshape(hkv, -1, dv))
-    stacked = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hkv, R, Dv]
-    return stacked.reshape(-1, dv)[out_rows]
+        # Gathered one group at a time: only one group's rows live at once. Query heads sharing a
+        # key/value head become extra query rows of one call ([G, r, Lq]).
+        for g in groups:
+            qr = q_rows[q_at: q_at + g.size * r * g.lq]
+            kr = plan.key_index[k_at: k_at + g.size * g.lk]
+            q_at, k_at = q_at + qr.numel(), k_at + kr.numel()
+            yield (g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp),
+                   kx.index_select(1, kr).view(hkv, g.size, g.lk, dp),
+                   vx.index_select(1, kr).view(hkv, g.size, g.lk, dp))
+
+
+def _attend_group(g: _Group, qg, kg, vg, mask, scaling: float) -> torch.Tensor:
+    """One group's attention [Hkv, G, r * Lq, dp] by autograd-able ops (any device)."""
+    if g.lk == 1:
+        # A lone key gets weight 1: its value, exactly, and exactly zero gradient for the query
+        # and key, which SDPA's backward leaves at rounding noise (~1e-6 in fp32). The zero term
+        # keeps q and k in the graph (and propagates NaN as SDPA would).
+        return vg.expand(*qg.shape[:3], -1) + 0 * (qg[..., :1] + kg[..., :1])
+    return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
+
+
+def _fused(qg, kg, vg, mask, scaling: float) -> bool:
+    """Whether SDPA would run this call by CPU flash attention: then its fused kernels serve."""
+    return (_FUSED_CPU and qg.device.type == "cpu"
+            and torch._fused_sdp_choice(qg, kg, vg, mask, 0.0, False, scale=scaling) == _FLASH)
 
 
 def _widen(x: torch.Tensor, width: int, channel: float | None = None) -> torch.Tensor:
