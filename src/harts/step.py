@@ -68,6 +68,16 @@ def _row_logprobs(model, hidden, local_predictor, target, chunk_rows):
     return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias, chunk_rows=chunk_rows)
 
 
+@dataclass
+class _PartRun:
+    """What one part's forward leaves for its backward."""
+
+    exports: list[LayerHandoff]
+    logprob: torch.Tensor | None
+    entropy: torch.Tensor | None
+    leaves: list[tuple[int, str, int | None, torch.Tensor]]
+
+
 class _Banks:
     """Handed-over tensors of every layer, rows in the order of all parts' export lists."""
 
@@ -156,32 +166,12 @@ def forest_backward(
         nodes = sorted(set(lay.root_state_source.values()))
         return [banks.gather(layer, rows, nodes) for layer in range(num_layers)]
 
-    # 1. forward without autograd
-    banks = _Banks(num_layers)
-    logp = torch.empty(predictor.numel(), device=device)
-    ent = torch.empty(predictor.numel(), device=device)
-    with torch.no_grad():
-        for lay, rows in zip(layouts, row_parts, strict=True):
-            hidden, exports = run_layout(model, lay, external_for(lay, banks))
-            banks.add(exports)
-            if rows.size:
-                local = torch.as_tensor(local_index[pred_np[rows]], device=device)
-                lp, en = _row_logprobs(model, hidden, local, target[rows].to(device), chunk_rows)
-                logp[rows], ent[rows] = lp.to(logp.dtype), en.to(ent.dtype)
-
-    # 2. the loss and its gradient with respect to the rows
-    logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
-    loss = loss_fn(logp_leaf, ent_leaf)
-    grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
-
-    # 3. recompute and backward, last part first; gradients flow back through the banks
-    # per part: {(layer, "key" | "value" | "conv_input" | "state", node or None): gradient of its export}
-    sent_back: list[dict[tuple[int, str, int | None], torch.Tensor]] = [{} for _ in layouts]
-    for p in range(len(layouts) - 1, -1, -1):
+    def forward_part(p: int, grad: bool) -> _PartRun:
+        """Part ``p``'s forward and row log-probs; with ``grad``, its handed-over inputs become leaves."""
         lay, rows = layouts[p], row_parts[p]
         ext = external_for(lay, banks)
         leaves: list[tuple[int, str, int | None, torch.Tensor]] = []
-        if ext is not None:
+        if grad and ext is not None:
             for layer, h in enumerate(ext):
                 for name in ("key", "value", "conv_input"):
                     t = getattr(h, name)
@@ -193,29 +183,68 @@ def forest_backward(
                     leaf = h.states[node].detach().requires_grad_()
                     h.states[node] = leaf
                     leaves.append((layer, "state", node, leaf))
-        hidden, exports = run_layout(model, lay, ext)
+        lp = en = None
+        with torch.set_grad_enabled(grad):
+            hidden, exports = run_layout(model, lay, ext)
+            if rows.size:
+                local = torch.as_tensor(local_index[pred_np[rows]], device=device)
+                lp, en = _row_logprobs(model, hidden, local, target[rows].to(device), chunk_rows)
+        return _PartRun(exports, lp, en, leaves)
+
+    # 1. forward of every part in order, without autograd except for the last part, whose graph
+    #    is kept for its backward right after the loss (no recompute for it)
+    banks = _Banks(num_layers)
+    logp = torch.empty(predictor.numel(), device=device)
+    ent = torch.empty(predictor.numel(), device=device)
+    last = len(layouts) - 1
+    kept = None
+    for p in range(len(layouts)):
+        run = forward_part(p, grad=p == last)
+        banks.add(run.exports if p < last else [LayerHandoff() for _ in range(num_layers)])
+        rows = row_parts[p]
+        if rows.size:
+            logp[rows], ent[rows] = run.logprob.detach().to(logp.dtype), run.entropy.detach().to(ent.dtype)
+        if p == last:
+            kept = run
+        del run
+
+    # 2. the loss and its gradient with respect to the rows
+    logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss = loss_fn(logp_leaf, ent_leaf)
+    grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
+
+    # 3. backward, last part first (the others recomputed); gradients flow back through the banks
+    # per part: {(layer, "key" | "value" | "conv_input" | "state", node or None): gradient of its export}
+    sent_back: list[dict[tuple[int, str, int | None], torch.Tensor]] = [{} for _ in layouts]
+
+    def backward_part(p: int, run: _PartRun) -> None:
+        """Run part ``p``'s backward and send its leaves' gradients back to the parts they came from.
+
+        A function, so that nothing of the part (graph outputs, leaves and their gradients, which are
+        often views of whole-layer gradient buffers) stays alive while the next part runs.
+        """
+        lay, rows = layouts[p], row_parts[p]
         tensors, grads = [], []
         if rows.size:
-            local = torch.as_tensor(local_index[pred_np[rows]], device=device)
-            lp, en = _row_logprobs(model, hidden, local, target[rows].to(device), chunk_rows)
-            for t, g in ((lp, grad_logp), (en, grad_ent)):
+            for t, g in ((run.logprob, grad_logp), (run.entropy, grad_ent)):
                 if g is not None:
                     tensors.append(t)
                     grads.append(g[torch.as_tensor(rows, device=device)].to(t.dtype))
         for (layer, name, node), g in sent_back[p].items():
-            h = exports[layer]
+            h = run.exports[layer]
             tensors.append(h.states[node] if name == "state" else getattr(h, name))
             grads.append(g)
         if tensors:
             torch.autograd.backward(tensors, grads)
         # route the leaves' gradients to the parts that exported those rows / states
-        for layer, name, node, leaf in leaves:
-            if leaf.grad is None:
+        for layer, name, node, leaf in run.leaves:
+            grad, leaf.grad = leaf.grad, None
+            if grad is None:
                 continue
             if name == "state":
                 producer = next(q for q in range(p) if node in layouts[q].node_set)
                 key = (layer, name, node)
-                sent_back[producer][key] = sent_back[producer].get(key, 0) + leaf.grad
+                sent_back[producer][key] = sent_back[producer].get(key, 0) + grad
                 continue
             ext_rows = export_row[lay.external_tokens]
             for q in range(p):
@@ -228,8 +257,16 @@ def forest_backward(
                     continue
                 dim = 1 if name in ("key", "value") else 0
                 part_grad = torch.zeros_like(getattr(banks.parts[q][layer], name))
-                src = leaf.grad.index_select(dim, torch.as_tensor(sel, device=device))
+                src = grad.index_select(dim, torch.as_tensor(sel, device=device))
                 part_grad.index_add_(dim, torch.as_tensor(ext_rows[sel] - lo, device=device), src)
                 key = (layer, name, None)
                 sent_back[q][key] = sent_back[q].get(key, 0) + part_grad
+        sent_back[p].clear()  # spent
+
+    backward_part(last, kept)
+    del kept
+    banks.parts.pop()
+    for p in range(last - 1, -1, -1):
+        backward_part(p, forward_part(p, grad=True))
+        banks.parts.pop()  # only later parts read a part's exports, and they are done
     return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes, layouts)

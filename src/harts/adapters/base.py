@@ -113,7 +113,8 @@ class MixerContext:
             q, k, v, g, beta, self.layout.linear_plan, root_states=root_states
         )
         for local, glob in self.layout.export_nodes:
-            self.exports[-1].states[glob] = states[local]
+            # clone: a state is often a view of a whole call's stacked states, which would stay alive
+            self.exports[-1].states[glob] = states[local].clone()
         return out
 
 

@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def _exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -176,7 +177,13 @@ def chunked_gated_delta_rule(
     o = o.to(out_dtype)
     if output_states_at is None:
         return o, S
-    return o, S, _states_at(output_states_at, S0, U, k, g, C)
+    if not torch.is_grad_enabled():
+        return o, S, _states_at(output_states_at, S0, U, k, g, C)
+    # Each requested state gathers its whole chunk of k and u ([B, S, H, C, K + V]); with many
+    # boundaries per chunk (chains of short nodes) keeping those for backward would cost more than
+    # the call itself. Recomputing them in backward keeps only S0, U, k, g, which the call saves anyway.
+    states = checkpoint(_states_at, output_states_at, S0, U, k, g, C, use_reentrant=False)
+    return o, S, states
 
 
 def _states_at(at, S0, U, k, g, C):

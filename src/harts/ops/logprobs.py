@@ -12,8 +12,8 @@ unique predictor, in row chunks, without keeping logits:
 The backward of (lse, entropy) recomputes each chunk's logits and uses
 d lse / d logits = p and d entropy / d logits = -p (log p + entropy), so peak memory is one chunk
 of [chunk, vocab] logits in forward and backward. The target logit is a plain gathered dot
-product, differentiated by autograd. ``plain_token_logprobs`` is the reference: full logits and
-autograd.
+product, differentiated by autograd, formed once per distinct (predictor, target) pair.
+``plain_token_logprobs`` is the reference: full logits and autograd.
 
 Shapes: hidden [U, D], weight [V, D], bias [V] or None, predictor [R] (index into U), target [R].
 """
@@ -112,10 +112,14 @@ def token_logprobs(
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     predictor, target = predictor.long(), target.long()
     lse, entropy = _LseEntropy.apply(hidden, weight, bias, chunk_rows)
-    target_logit = (hidden[predictor] * weight[target]).sum(-1).to(lse.dtype)
+    # Rows of a shared token repeat one (predictor, target) pair once per trajectory through it:
+    # form each distinct pair's target logit once, so memory is O(pairs x D), not O(rows x D).
+    pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
+    pair_pred, pair_target = pairs // weight.shape[0], pairs % weight.shape[0]
+    target_logit = (hidden[pair_pred] * weight[pair_target]).sum(-1).to(lse.dtype)
     if bias is not None:
-        target_logit = target_logit + bias[target].to(lse.dtype)
-    return target_logit - lse[predictor], entropy[predictor]
+        target_logit = target_logit + bias[pair_target].to(lse.dtype)
+    return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 
 def plain_token_logprobs(hidden, weight, predictor, target, bias=None):
