@@ -43,6 +43,7 @@ __all__ = [
     "min_calls",
     "plan_linear",
     "bucket_by_length",
+    "choose_chunks",
 ]
 
 
@@ -133,32 +134,53 @@ class LinearCall:
 
 @dataclass(frozen=True)
 class LinearCostModel:
-    """Cost of a plan in *token slots*: one token position of a call through the chunked kernel.
+    """Estimated time (microseconds) of a plan's calls through the chunked kernel, fwd + bwd.
 
-    A call of W segments, T tokens and S inner boundaries costs
-    ``W * ceil(T / C) * C`` slots (padding included: the kernel pads to whole chunks too),
-    ``+ step_cost * ceil(T / C)`` (the state recurrence runs chunk after chunk, so the longest
-    segment sets the call's critical path), ``+ boundary_cost * W * S`` (each emitted inner state
-    replays one chunk), ``+ call_cost`` (gathers, per-call setup, kernel launches).
+    A call of W segments padded to T tokens, run with chunk C (N = ceil(T / C) chunks), costs
 
-    Defaults: fwd+bwd of ``chunked_gated_delta_rule`` on one CPU thread, H = 4, K = V = 32. A
-    slot takes about 25-30 us in calls of 500 slots and more; a call of one 8-token segment takes
-    1.3 ms whatever its size, about 45 slots, and its gathers and state stacking add a few more:
-    ``call_cost`` = 50. A boundary costs about 5 slots; the per-step term was below the noise.
-    On a GPU slots are nearly free until the device is full and calls and steps dominate: refit
-    there before trusting AUTO.
+    - ``W * N * C * (slot_cost + slot_cost_per_chunk * C)``: every token slot, padding included
+      (the kernel pads to whole chunks); the intra-chunk work per slot grows with C;
+    - ``segment_chunk_cost * W * N``: per segment and chunk, the [K, K] / [K, V] state products;
+    - ``step_cost * N``: the state recurrence runs chunk after chunk (a Python step each);
+    - ``boundary_cost * C * W * S``: each emitted inner state replays part of one chunk;
+    - ``call_cost``: gathers, per-call setup, kernel launches.
+
+    :meth:`chunk_for` picks the chunk (a power of two in ``chunk_sizes``) that minimises this: long
+    single segments want fewer steps, wide calls of short segments less padding and intra-chunk
+    work. Defaults: least-squares fit (relative error) of fwd+bwd of ``chunked_gated_delta_rule``
+    on one CPU thread, H = 4, K = V = 32, over W in 1-64, T in 16-1024, C in 8-64; typical error
+    20-30%. On a GPU slots are nearly free until the device is full and calls and steps dominate:
+    refit there before trusting AUTO.
     """
 
-    chunk_size: int = 64
-    step_cost: float = 4.0
-    boundary_cost: float = 5.0
-    call_cost: float = 50.0
+    chunk_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    slot_cost: float = 7.6
+    slot_cost_per_chunk: float = 0.29
+    segment_chunk_cost: float = 132.0
+    step_cost: float = 138.0
+    boundary_cost: float = 2.2
+    call_cost: float = 910.0
 
     def shape(self, w: int, t: int, s: int = 0, chunk_size: int | None = None) -> float:
-        """Cost of one call of W segments, T tokens, S inner boundaries."""
-        c = chunk_size or self.chunk_size
+        """Cost of one call of W segments, T tokens, S inner boundaries (best chunk if None)."""
+        c = chunk_size or self.chunk_for(w, t, s)
         steps = max(1, math.ceil(t / c))
-        return w * steps * c + self.step_cost * steps + self.boundary_cost * w * s + self.call_cost
+        slots = w * steps * c
+        return (
+            slots * (self.slot_cost + self.slot_cost_per_chunk * c)
+            + self.segment_chunk_cost * w * steps
+            + self.step_cost * steps
+            + self.boundary_cost * c * w * s
+            + self.call_cost
+        )
+
+    def chunk_for(self, w: int, t: int, s: int = 0) -> int:
+        """The cheapest chunk for a call of W segments, T tokens, S boundaries (ties: the larger)."""
+        return min(self.chunk_sizes, key=lambda c: (self.shape(w, t, s, c), -c))
+
+    @property
+    def max_chunk(self) -> int:
+        return max(self.chunk_sizes)
 
     def call(self, call: LinearCall) -> float:
         w, t = call.token_index.shape
@@ -187,7 +209,7 @@ class LinearPlan:
 
     @property
     def cost(self) -> float:
-        """Estimated cost in token slots under the default :class:`LinearCostModel`."""
+        """Estimated cost (microseconds) under the default :class:`LinearCostModel`."""
         return LinearCostModel().plan(self)
 
     def to(self, device) -> LinearPlan:
@@ -394,7 +416,7 @@ def plan_linear(
             f"unknown plan mode {mode!r}; expected one of {[m.value for m in PlanMode]}"
         ) from None
     model = cost_model or LinearCostModel()
-    finish = (lambda p: bucket_by_length(p, model)) if bucket else (lambda p: p)
+    finish = (lambda p: bucket_by_length(p, model)) if bucket else (lambda p: choose_chunks(p, model))
     if mode is PlanMode.DEPTH:
         return finish(depth_wave_plan(forest))
     if mode is PlanMode.CHAIN:
@@ -418,30 +440,41 @@ def plan_linear(
     return chosen
 
 
-def _chunk_for(t: int, max_chunk: int) -> int:
-    """The smallest power-of-two chunk that holds ``t`` tokens, at most ``max_chunk``."""
-    return min(max_chunk, 1 << max(0, (t - 1).bit_length()))
+def _with_best_chunk(call: LinearCall, keep: torch.Tensor, model: LinearCostModel) -> LinearCall:
+    sub = call.rows(keep, 0)
+    w, t = sub.token_index.shape
+    sub.chunk_size = model.chunk_for(w, t, sub.num_boundaries)
+    return sub
+
+
+def choose_chunks(plan: LinearPlan, cost_model: LinearCostModel | None = None) -> LinearPlan:
+    """The same calls, each with the chunk the cost model prefers for its shape."""
+    model = cost_model or LinearCostModel()
+    calls = [_with_best_chunk(c, torch.arange(c.token_index.shape[0], device=c.lengths.device), model)
+             for c in plan.calls]
+    return LinearPlan(calls, plan.num_tokens, plan.mode)
 
 
 def bucket_by_length(plan: LinearPlan, cost_model: LinearCostModel | None = None) -> LinearPlan:
     """Split each call into calls of similar segment lengths where the cost model says it pays.
 
     Segments of one call never depend on each other, so any split of a call into consecutive
-    calls keeps the plan valid. Buckets are powers of two up to the chunk size, then whole
-    chunks; each sub-call gets the smallest chunk that holds it. A call is split only when the
-    sum of its buckets' costs (each paying ``call_cost``) is below its own.
+    calls keeps the plan valid. Buckets are powers of two up to the largest chunk, then whole
+    largest chunks; every call, split or not, gets the chunk the cost model prefers for its shape.
+    A call is split only when the sum of its buckets' costs (each paying ``call_cost``) is below
+    its own.
     """
     model = cost_model or LinearCostModel()
     calls = []
+    c = model.max_chunk
     for call in plan.calls:
-        w, t = call.token_index.shape
-        whole = call.rows(torch.arange(w, device=call.lengths.device), _chunk_for(t, model.chunk_size))
+        w = call.token_index.shape[0]
+        whole = _with_best_chunk(call, torch.arange(w, device=call.lengths.device), model)
         lengths = call.lengths.cpu()
-        c = model.chunk_size
-        small = torch.tensor([_chunk_for(int(x), c) for x in lengths.tolist()])
+        small = torch.tensor([1 << max(0, int(x) - 1).bit_length() for x in lengths.tolist()])
         key = torch.where(lengths <= c, small, c * (-(-lengths // c)))  # pow2 up to c, then whole chunks
         buckets = [
-            whole.rows((key == k).nonzero().squeeze(1).to(call.lengths.device), _chunk_for(int(k), c))
+            _with_best_chunk(call, (key == k).nonzero().squeeze(1).to(call.lengths.device), model)
             for k in torch.unique(key)
         ]
         if len(buckets) > 1 and sum(model.call(b) for b in buckets) < model.call(whole):
