@@ -6,18 +6,31 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import harts
 from harts.bench import BenchConfig, make_trajectories, run
 from harts.bench_flops import flop_model, forest_flops, ideal_speedup
+from harts.bench_memory import measure_peak, tensor_peak_bytes
 from harts.bench_report import markdown, write_outputs
 from harts.data.synthetic import scaled
 from harts.models import tiny_model
 from harts.plan.waves import plan_linear
 
 ROW_FIELDS = {
-    "family", "shape", "trajectories", "unique_tokens", "flat_tokens", "redundancy", "flops_tree",
-    "flops_flat", "ideal_speedup", "achieved_speedup", "fraction_of_ideal", "speedup_vs_stock", "variants",
+    "family",
+    "shape",
+    "trajectories",
+    "unique_tokens",
+    "flat_tokens",
+    "redundancy",
+    "flops_tree",
+    "flops_flat",
+    "ideal_speedup",
+    "achieved_speedup",
+    "fraction_of_ideal",
+    "speedup_vs_stock",
+    "variants",
 }
 
 
@@ -70,3 +83,65 @@ def test_flop_ratio_without_attention_is_redundancy(family, shape):
         assert fm.attention_per_key > 0
     if fm.num_linear_layers:
         assert fm.linear_state_per_token > 0
+
+
+MIB = 2**20
+
+
+def _bytes(mib: float) -> torch.Tensor:
+    return torch.empty(int(mib * MIB), dtype=torch.uint8)
+
+
+def test_tensor_peak_counts_live_tensors():
+    """The CPU tensor peak (harts.bench_memory) against steps whose live bytes are known."""
+    held_cache: dict = {}
+
+    def overlapping():  # 24 MiB held while 16 MiB are allocated: 40 MiB at once
+        a = _bytes(24)
+        b = _bytes(16)
+        del a, b
+
+    def sequential():  # 24 MiB freed before 16 MiB are allocated: 24 MiB at once
+        a = _bytes(24)
+        del a
+        b = _bytes(16)
+        del b
+
+    def refills_cache():  # frees the previous call's 16 MiB, then allocates 16 MiB: nothing above the start
+        held_cache["t"] = None
+        held_cache["t"] = _bytes(16)
+
+    def small():
+        return torch.ones(10) + 1
+
+    tolerance = 0.05 * MIB
+    for step, expected in ((overlapping, 40), (sequential, 24), (refills_cache, 0), (small, 0)):
+        step()  # warm-up, as in the benchmark's child
+        peak = tensor_peak_bytes(step)
+        assert abs(peak - expected * MIB) < tolerance, (step.__name__, peak / MIB, expected)
+
+
+def test_tensor_peak_counts_autograd_memory():
+    """Forward + backward of (x @ w).sum() with 4 MiB matrices: the peak is in the backward, where
+    x, the expanded output gradient made contiguous and w's gradient are alive at once (12 MiB)."""
+    w = torch.randn(1024, 1024, requires_grad=True)
+
+    def step():
+        x = torch.randn(1024, 1024)
+        (x @ w).sum().backward()
+
+    def reset():
+        w.grad = None
+
+    step()
+    reset()
+    peak = tensor_peak_bytes(step, reset)
+    assert abs(peak - 12 * MIB) < 0.05 * MIB, peak / MIB
+
+
+def test_measure_peak_child_reports_both_figures():
+    cfg = BenchConfig(families=("llama",), shapes=("star",), quick=True, threads=1, peers=False).resolved()
+    m = measure_peak(cfg, "llama", "star", "flat")
+    assert "memory_error" not in m and "rss_memory_error" not in m, m
+    assert m["memory_method"] == "cpu_tensor_peak" and m["rss_memory_method"] in ("vmhwm_reset", "ru_maxrss")
+    assert 0 < m["peak_mib"] < 64 and m["rss_peak_mib"] is not None, m

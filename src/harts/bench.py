@@ -4,8 +4,9 @@ For each model family (small random configs) and each shape (star, agentic, pape
 random) it reports: the redundancy R; the FLOP-ideal speedup (:mod:`harts.bench_flops`); the
 achieved speedup of the tree layout over the flat layout, both through the same step function,
 kernels and budget; the speedup over stock Hugging Face training of each trajectory on its own;
-peak memory of each; calls per linear-attention layer; and, on full-attention families and the
-one-prefix shape, the peers PrefixGrouper and flash-pref (:mod:`harts.bench_peers`).
+peak memory of each (live-tensor peak, and on the CPU the resident-set peak too); calls per
+linear-attention layer; and, on full-attention families and the one-prefix shape, the peers
+PrefixGrouper and flash-pref (:mod:`harts.bench_peers`).
 
 Objective: the SFT sum of every trajectory's next-token log-probs; one *step* = its forward and
 backward. The step run on both layouts is one pluggable callable (``STEPS``: by default
@@ -337,9 +338,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             start = time.perf_counter()
             rows.append(run_case(cfg, family, shape))
             r = rows[-1]
-            log(f"{family:>15} {shape:<10} R={r['redundancy']:.2f} ideal={r['ideal_speedup']:.2f} "
+            log(
+                f"{family:>15} {shape:<10} R={r['redundancy']:.2f} ideal={r['ideal_speedup']:.2f} "
                 f"tree/flat={r['achieved_speedup']:.2f} tree/stock={r['speedup_vs_stock']:.2f} "
-                f"({time.perf_counter() - start:.1f} s)")
+                f"({time.perf_counter() - start:.1f} s)"
+            )
     return dict(
         config=dataclasses.asdict(cfg),
         machine=machine_info(cfg),
@@ -365,9 +368,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
     p.add_argument("--step", choices=sorted(STEPS), default="forest_backward")
     a = p.parse_args(argv)
     cfg = BenchConfig(
-        shapes=tuple(a.shapes), families=tuple(a.families), repeats=a.repeats, scale=a.scale,
-        threads=a.threads, model_size=a.model_size, device=a.device, memory=not a.no_memory,
-        peers=not a.no_peers, quick=a.quick, budget_tokens=a.budget, step=a.step,
+        shapes=tuple(a.shapes),
+        families=tuple(a.families),
+        repeats=a.repeats,
+        scale=a.scale,
+        threads=a.threads,
+        model_size=a.model_size,
+        device=a.device,
+        memory=not a.no_memory,
+        peers=not a.no_peers,
+        quick=a.quick,
+        budget_tokens=a.budget,
+        step=a.step,
     )
     return cfg, a.out
 

@@ -12,6 +12,13 @@ from pathlib import Path
 __all__ = ["markdown", "write_outputs", "plot"]
 
 _PEERS = ("prefix_grouper", "flash_pref")
+# What each memory method of harts.bench_memory measures (results.json keeps the method per figure).
+_METHODS = {
+    "cpu_tensor_peak": "live tensors",
+    "cuda_max_allocated": "live tensors",
+    "vmhwm_reset": "resident set",
+    "ru_maxrss": "resident set",
+}
 
 
 def _f(x, fmt: str = ".2f", none: str = "-") -> str:
@@ -22,8 +29,13 @@ def _ms(v: dict) -> str:
     return _f(v.get("time_s") and v["time_s"] * 1e3, ".0f")
 
 
-def _mib(v: dict) -> str:
-    return _f(v.get("peak_mib"), ".1f")
+def _mib(v: dict, key: str = "peak_mib") -> str:
+    return _f(v.get(key), ".1f")
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    x, y = a.get(key), b.get(key)
+    return "-" if x is None or not y else f"{x / y:.2f}"
 
 
 def main_table(results: dict) -> list[str]:
@@ -45,12 +57,30 @@ def main_table(results: dict) -> list[str]:
     return lines
 
 
+def rss_table(results: dict) -> list[str]:
+    """The resident-set peaks (CPU) beside the tree/flat ratio of both figures; empty without any."""
+    rows = [r for r in results["rows"] if any("rss_peak_mib" in v for v in r["variants"].values())]
+    if not rows:
+        return []
+    lines = [
+        "| family | shape | RSS MiB tree | flat | stock | peak tree/flat | RSS tree/flat |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t, fl, st = (r["variants"][n] for n in ("tree", "flat", "stock"))
+        lines.append(
+            f"| {r['family']} | {r['shape']} | {_mib(t, 'rss_peak_mib')} | {_mib(fl, 'rss_peak_mib')} "
+            f"| {_mib(st, 'rss_peak_mib')} | {_ratio(t, fl, 'peak_mib')} | {_ratio(t, fl, 'rss_peak_mib')} |"
+        )
+    return lines
+
+
 def peer_table(results: dict) -> list[str]:
     """One line per peer run (or failure); the two support limits are summarised below the table."""
     lines = [
         "| family | shape | system | status | ms | vs stock | harts tree speedup over it "
-        "| loss rel. diff vs stock | peak MiB |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| loss rel. diff vs stock | peak MiB | RSS MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     hybrid: set[str] = set()
     deeper: set[str] = set()
@@ -64,31 +94,44 @@ def peer_table(results: dict) -> list[str]:
                 lines.append(
                     f"| {r['family']} | {r['shape']} | {name} | ran | {_ms(p)} "
                     f"| {v['stock']['time_s'] / p['time_s']:.2f} | {p['time_s'] / v['tree']['time_s']:.2f} "
-                    f"| {p['loss_rel_diff_vs_stock']:.1e} | {_mib(p)} |"
+                    f"| {p['loss_rel_diff_vs_stock']:.1e} | {_mib(p)} | {_mib(p, 'rss_peak_mib')} |"
                 )
             elif p["reason"].startswith("full attention only"):
                 hybrid.add(r["family"])
             elif p["reason"].startswith("one shared prompt"):
                 deeper.add(r["shape"])
             else:
-                lines.append(f"| {r['family']} | {r['shape']} | {name} | {p['reason']} | | | | | |")
+                lines.append(f"| {r['family']} | {r['shape']} | {name} | {p['reason']} | | | | | | |")
     if hybrid or deeper:
         lines.append("")
     if hybrid:
         lines.append(f"Not run on {', '.join(sorted(hybrid))}: both peers support full attention only.")
     if deeper:
-        lines.append(f"Not run on {', '.join(sorted(deeper))}: both peers take one shared prompt and G "
-                     "completions only (a depth-1 tree).")
+        lines.append(
+            f"Not run on {', '.join(sorted(deeper))}: both peers take one shared prompt and G "
+            "completions only (a depth-1 tree)."
+        )
     return lines
 
 
 def markdown(results: dict) -> str:
     cfg, mach = results["config"], results["machine"]
     rows = results["rows"]
-    worst = max((v.get("loss_rel_diff_vs_stock", 0.0) for r in rows for n, v in r["variants"].items()
-                 if n in ("tree", "flat") and v["status"] == "ran"), default=0.0)
+    worst = max(
+        (
+            v.get("loss_rel_diff_vs_stock", 0.0)
+            for r in rows
+            for n, v in r["variants"].items()
+            if n in ("tree", "flat") and v["status"] == "ran"
+        ),
+        default=0.0,
+    )
     gpu = f" ({mach['gpu']})" if "gpu" in mach else ""
-    methods = sorted({v.get("memory_method") for r in rows for v in r["variants"].values()} - {None})
+    memory = []
+    for key, column in (("memory_method", "peak MiB"), ("rss_memory_method", "RSS MiB")):
+        methods = sorted({v.get(key) for r in rows for v in r["variants"].values()} - {None})
+        if methods:
+            memory.append(f"`{column}` = " + ", ".join(f"{m} ({_METHODS.get(m, '?')})" for m in methods))
     head = [
         "## harts bench" + (" (quick smoke run)" if cfg["quick"] else ""),
         "",
@@ -98,11 +141,13 @@ def markdown(results: dict) -> str:
         f"step `{cfg['step']}`, budget {cfg['budget_tokens'] or 'none (whole forest)'}; "
         f"median of {cfg['repeats']} interleaved runs after {max(cfg['warmup'], 1)} warm-up",
         f"- FLOP model: {results['flop_model']}",
-        f"- peak memory: {', '.join(methods) if methods else 'not measured'} (see docs/benchmarks.md)",
+        f"- peak memory of one step: {'; '.join(memory) or 'not measured'} (see docs/benchmarks.md)",
         f"- objective check: largest relative loss difference of tree/flat vs stock {worst:.1e}",
         "",
     ]
-    return "\n".join(head + main_table(results) + ["", "### Peers", ""] + peer_table(results)) + "\n"
+    rss = rss_table(results)
+    rss = ["", "### Resident-set peak", ""] + rss if rss else []
+    return "\n".join(head + main_table(results) + rss + ["", "### Peers", ""] + peer_table(results)) + "\n"
 
 
 def plot(results: dict, path: Path) -> str:
@@ -124,8 +169,14 @@ def plot(results: dict, path: Path) -> str:
         m = markers[i % len(markers)]
         achieved = [r["achieved_speedup"] for r in rows]
         ax.scatter(rs, achieved, marker=m, color=f"C{i}", label=f"{fam} achieved")
-        ax.scatter(rs, [r["ideal_speedup"] for r in rows], marker=m, facecolors="none", edgecolors=f"C{i}",
-                   label=f"{fam} ideal")
+        ax.scatter(
+            rs,
+            [r["ideal_speedup"] for r in rows],
+            marker=m,
+            facecolors="none",
+            edgecolors=f"C{i}",
+            label=f"{fam} ideal",
+        )
         top = max([top] + rs + [r["ideal_speedup"] for r in rows] + [r["achieved_speedup"] for r in rows])
     ax.plot([1, top], [1, top], color="grey", linewidth=0.8, linestyle="--", label="speedup = R")
     ax.set_xlabel("redundancy R (flat tokens / unique tokens)")
