@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 
@@ -95,6 +96,46 @@ def _intra_chunk_scores(q, k, g):
     P = torch.cat(q_vals + [diag, zero], -1).index_select(-1, idx_p).reshape(*lead, C, C)
     A = torch.cat(k_vals + [zero], -1).index_select(-1, idx_a).reshape(*lead, C, C)
     return P, A
+
+
+class _StateScan(torch.autograd.Function):
+    """The chunk-to-chunk recurrence S_{n+1} = T_n S_n + D_n, with a hand-written backward.
+
+    Autograd through a Python loop would keep every step's state twice (the matmul's saved input
+    and the stacked chunk-start states) and pay one graph node per chunk; this keeps the stacked
+    states once (they are the output, which the caller's ops save anyway) and runs the adjoint
+    recurrence g_n = T_n^T g_{n+1} + dS0_n in one backward call.
+    trans [B, H, N, K, K], drive [B, H, N, K, V], initial [B, H, K, V] ->
+    (starts [B, H, N, K, V]: S_0 .. S_{N-1}, final S_N [B, H, K, V]).
+    """
+
+    @staticmethod
+    def forward(ctx, trans, drive, initial):
+        n_chunks = trans.shape[2]
+        starts = drive.new_empty(drive.shape)
+        S = initial
+        for n in range(n_chunks):
+            starts[:, :, n] = S
+            S = torch.baddbmm(drive[:, :, n].flatten(0, 1), trans[:, :, n].flatten(0, 1),
+                              S.flatten(0, 1)).view_as(S)
+        ctx.save_for_backward(trans, starts)
+        return starts, S
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_starts, grad_final):
+        trans, starts = ctx.saved_tensors
+        B, H, n_chunks, K, V = starts.shape
+        g = grad_final if grad_final is not None else starts.new_zeros(B, H, K, V)
+        grad_trans = torch.empty_like(trans)
+        grad_drive = torch.empty_like(starts)
+        for n in range(n_chunks - 1, -1, -1):
+            grad_drive[:, :, n] = g
+            grad_trans[:, :, n] = g @ starts[:, :, n].transpose(-1, -2)
+            g = trans[:, :, n].transpose(-1, -2) @ g
+            if grad_starts is not None:
+                g = g + grad_starts[:, :, n]
+        return grad_trans, grad_drive, g
 
 
 def chunked_gated_delta_rule(
@@ -164,11 +205,7 @@ def chunked_gated_delta_rule(
         S = torch.zeros(B, H, K, V, device=k.device, dtype=torch.float32)
     else:
         S = initial_state.float()
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = trans[:, :, n] @ S + drive[:, :, n]
-    S0 = torch.stack(starts, 2)  # [B, H, N, K, V]
+    S0, S = _StateScan.apply(trans, drive, S)  # chunk-start states [B, H, N, K, V], final state
     U = W - Kc @ S0
     o = Qg @ S0 + P @ U  # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
