@@ -103,3 +103,58 @@ def test_small_trees_are_packed_whole():
     plan = plan_micro_batches(forest, 5)
     assert plan.num_cuts == 0
     assert sorted(p.num_tokens(forest) for p in plan.parts) == [5, 5]
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next"])
+def test_recomputed_linear_attention_gives_the_same_gradients(family):
+    model = model_of(family)
+    forest = harts.build_forest(SPLIT_FORESTS["stacked-branches"])
+    predictor, target = next_token_rows(forest)
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        forest_backward(
+            model, forest, predictor, target, lambda lp, en: -(lp.sum() + 0.1 * en.sum()),
+            budget_tokens=4, recompute_linear=recompute,
+        )  # fmt: skip
+        grads.append(param_grads(model))
+    errors = grad_relative_errors(grads[1], grads[0])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-6, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+def _cost(forest, part, weight):
+    """A part's budget cost: own tokens, plus weighted context above the first node of a cut run."""
+    first = int(part.nodes[0])
+    context = int(forest.node_path_start[first]) if part.root_parents else 0
+    return part.num_tokens(forest) + weight * context
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
+def test_cut_trees_are_balanced_and_count_their_context(weight):
+    # one tree of 10-token nodes: a trunk and 14 branches (150 tokens); a fill to the budget
+    # would cut it 100 + 50
+    trajs = [list(range(10)) + [100 + 10 * b + i for i in range(10)] for b in range(14)]
+    forest = harts.build_forest(trajs)
+    budget = 100
+    plan = plan_micro_batches(forest, budget, context_weight=weight)
+    greedy = plan_micro_batches(forest, 10**9)  # one part: the reference token count
+    costs = [_cost(plan.forest, p, weight) for p in plan.parts]
+    assert sum(p.num_tokens(plan.forest) for p in plan.parts) == greedy.forest.num_tokens
+    assert all(c <= budget for c in costs), costs
+    # balanced: no part is more than one node (10 tokens) plus context above the mean
+    sizes = [p.num_tokens(plan.forest) for p in plan.parts]
+    assert max(sizes) - min(sizes) <= 10 + weight * 10, sizes
+    # as few parts as a greedy fill to the budget would make
+    fill, used = 1, 0.0
+    for node in range(plan.forest.num_nodes):
+        length = int(plan.forest.node_length[node])
+        if used and used + length > budget:
+            fill, used = fill + 1, weight * int(plan.forest.node_path_start[node])
+        used += length
+    assert plan.num_micro_batches == fill
+
+
+def test_context_weight_must_lie_in_unit_interval():
+    with pytest.raises(ValueError, match="context_weight"):
+        plan_micro_batches(harts.build_forest([[1, 2, 3]]), 2, context_weight=1.5)

@@ -96,9 +96,15 @@ def check_inputs(model: nn.Module, forest: Forest) -> None:
 
 
 def run_layout(
-    model: nn.Module, layout: TreeLayout, external: list[LayerHandoff] | None = None
+    model: nn.Module,
+    layout: TreeLayout,
+    external: list[LayerHandoff] | None = None,
+    recompute_linear: bool = False,
 ) -> tuple[torch.Tensor, list[LayerHandoff]]:
-    """Final hidden states [n, D] of the layout's tokens, and what each layer hands on."""
+    """Final hidden states [n, D] of the layout's tokens, and what each layer hands on.
+
+    ``recompute_linear``: linear-attention calls save only their inputs and run again in backward.
+    """
     adapter = adapter_for(model)
     backbone = adapter.backbone(model)
     layers = backbone.layers[: model.config.num_hidden_layers]
@@ -106,7 +112,7 @@ def run_layout(
     hidden = backbone.embed_tokens(layout.tokens)[None]  # [1, n, D]
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
-    ctx = MixerContext(layout, position_embeddings, external)
+    ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
     for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
         ctx.begin_layer(index)
         residual = hidden

@@ -65,11 +65,19 @@ class MixerContext:
     ``external[layer]`` holds the context handed over by earlier micro-batches (key space rows
     0..E-1 for keys/values and conv inputs; states of cut roots' parents); ``exports[layer]``
     collects what this micro-batch hands on. Mixers never see either: they call
-    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`.
+    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`. ``recompute_linear``: linear-attention
+    calls keep only their inputs for backward and run again there (:func:`tree_gated_delta_rule`).
     """
 
-    def __init__(self, layout: TreeLayout, position_embeddings, external: list[LayerHandoff] | None = None):
+    def __init__(
+        self,
+        layout: TreeLayout,
+        position_embeddings,
+        external: list[LayerHandoff] | None = None,
+        recompute_linear: bool = False,
+    ):
         self.layout = layout
+        self.recompute_linear = recompute_linear
         self.position_embeddings = position_embeddings
         self.external = external
         self.exports: list[LayerHandoff] = []
@@ -110,8 +118,9 @@ class MixerContext:
         if ext is not None and self.layout.root_state_source:
             root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
         out, states = tree_gated_delta_rule(
-            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states
-        )
+            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states,
+            recompute=self.recompute_linear,
+        )  # fmt: skip
         for local, glob in self.layout.export_nodes:
             # clone: a state is often a view of a whole call's stacked states, which would stay alive
             self.exports[-1].states[glob] = states[local].clone()

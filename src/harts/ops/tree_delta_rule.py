@@ -15,14 +15,25 @@ of every node of the plan (inner chain nodes included: children in later calls a
 micro-batches read them). ``root_states`` supplies the initial state of segments that start at a
 node without a parent in the plan (``init_node == -1``), keyed by that node: the final state of
 its parent in an earlier micro-batch. Missing entries start from zeros.
+
+``recompute=True`` trades compute for memory: each call keeps for backward only references to
+the inputs (q, k, v, g, beta as passed, shared by all calls, and its initial states) and runs its
+forward again in backward (``torch.utils.checkpoint``). The kernel's internals (chunk matrices,
+padded slots, per-chunk states) then live only while one call's backward runs. A call's padded
+slots are what a forest of short nodes has more of than a flat batch, so this is what keeps a
+tree micro-batch's memory at or below a flat one of the same size; it costs one more kernel
+forward per call (about a third of the kernel's fwd + bwd).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from harts.ops.backends import current_backend
-from harts.plan.waves import LinearPlan
+from harts.plan.waves import LinearCall, LinearPlan
 
 __all__ = ["tree_gated_delta_rule"]
 
@@ -36,6 +47,7 @@ def tree_gated_delta_rule(
     plan: LinearPlan,
     scale: float | None = None,
     root_states: dict[int, torch.Tensor] | None = None,
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     n, h, dk = k.shape
     dv = v.shape[-1]
@@ -46,8 +58,8 @@ def tree_gated_delta_rule(
     root_states = root_states or {}
     outputs = []
     zero_state = torch.zeros(h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    recompute = recompute and torch.is_grad_enabled()
     for call in plan.calls:
-        idx = call.token_index
         init = torch.stack(
             [
                 states[node] if node >= 0 else root_states.get(start, zero_state)
@@ -55,20 +67,32 @@ def tree_gated_delta_rule(
             ],
             dim=0,
         )
-        args = (q[idx], k[idx], v[idx], g[idx], beta[idx])
-        if call.num_boundaries:
-            o, final, inner = kernel(
-                *args, initial_state=init, lengths=call.lengths, scale=scale,
-                output_states_at=call.boundary_offsets, chunk_size=call.chunk_size,
-            )  # fmt: skip
-            for w, nodes in enumerate(call.boundary_nodes):
-                for s, node in enumerate(nodes):
-                    states[node] = inner[w, s]
+        run = functools.partial(_run_call, kernel, call, scale)
+        if recompute:
+            o, final, inner = checkpoint(run, q, k, v, g, beta, init, use_reentrant=False)
         else:
-            o, final = kernel(
-                *args, initial_state=init, lengths=call.lengths, scale=scale, chunk_size=call.chunk_size
-            )
+            o, final, inner = run(q, k, v, g, beta, init)
+        for w, nodes in enumerate(call.boundary_nodes):
+            for s, node in enumerate(nodes):
+                states[node] = inner[w, s]
         for w, node in enumerate(call.end_node):
             states[node] = final[w]
-        outputs.append(o[call.valid])
+        outputs.append(o)
     return torch.cat(outputs, dim=0)[plan.output_order()], states
+
+
+def _run_call(kernel, call: LinearCall, scale, q, k, v, g, beta, init):
+    """One call: gather its segments' rows, run the kernel; (valid outputs, final, inner states)."""
+    idx = call.token_index
+    args = (q[idx], k[idx], v[idx], g[idx], beta[idx])
+    if call.num_boundaries:
+        o, final, inner = kernel(
+            *args, initial_state=init, lengths=call.lengths, scale=scale,
+            output_states_at=call.boundary_offsets, chunk_size=call.chunk_size,
+        )  # fmt: skip
+    else:
+        o, final = kernel(
+            *args, initial_state=init, lengths=call.lengths, scale=scale, chunk_size=call.chunk_size
+        )
+        inner = None
+    return o[call.valid], final, inner

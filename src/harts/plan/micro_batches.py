@@ -4,16 +4,23 @@ A micro-batch (a *part*) is a set of forest nodes whose parents are either in th
 earlier part. Trees that fit the budget are packed whole, first-fit decreasing. A tree larger
 than the budget is first refined so that no node is longer than the budget (a long node becomes
 a chain of pieces: the same tokens, the same paths), then cut into consecutive runs of nodes in
-pre-order. Pre-order makes every such run closed: a node's parent is either in the run or before
-it.
+pre-order, of about equal size (the largest part sets the peak memory). Pre-order makes every
+such run closed: a node's parent is either in the run or before it.
 
 For each part the plan records what crosses its boundary: the *external* tokens (tokens of
 ancestors in earlier parts, whose keys/values and convolution inputs the part reads) and the
 external parents of its roots (whose final linear-attention states start its segments); and, in
 the other direction, which of its own tokens and nodes later parts read (its exports).
 
-What this leaves out: memory-based budgets (the budget counts unique tokens of the part; context
-tokens read from earlier parts are not counted) and balancing across ranks.
+The budget counts a part's own tokens plus, for a cut run, ``context_weight`` times the tokens on
+the path above its first node (the context it reads from earlier parts). A context token costs a
+part only its handed-over keys/values and convolution inputs and their gradients, not a token's
+activations: about a fifth of a token on the bailing_hybrid bench config (about 17 KB against
+85 KB per token), hence the default of 0.25. A run always takes at least one node, so a part whose
+single node sits below a very long context can exceed the budget by that context.
+
+What this leaves out: activation-memory models per layer type (the budget is in tokens) and
+balancing across ranks.
 """
 
 from __future__ import annotations
@@ -105,9 +112,29 @@ class MicroBatchPlan:
         return sum(1 for p in self.parts if p.root_parents)
 
 
-def _pack(forest: Forest, budget: int) -> list[np.ndarray]:
+def _runs(lengths, path_start, first: int, end: int, cap: int, context_weight: float) -> list[np.ndarray]:
+    """Nodes ``first..end-1`` (one tree, pre-order) cut greedily into runs costing at most ``cap``.
+
+    A run costs its tokens plus ``context_weight`` per token on the path above its first node
+    (pre-order: every external ancestor of the run is on that path); it takes at least one node.
+    """
+    runs, run, used = [], [], 0.0
+    for node in range(first, end):
+        if run and used + lengths[node] > cap:
+            runs.append(np.asarray(run))
+            run = []
+        if not run:
+            used = context_weight * float(path_start[node])
+        run.append(node)
+        used += int(lengths[node])
+    runs.append(np.asarray(run))
+    return runs
+
+
+def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray]:
     """Node groups: whole trees first-fit decreasing, oversized trees cut in pre-order runs."""
     lengths = forest.node_length.numpy()
+    path_start = forest.node_path_start.numpy()
     roots = np.flatnonzero(forest.node_parent.numpy() < 0)
     ends = forest.node_subtree_end.numpy()
     sizes = np.array([lengths[r : ends[r]].sum() for r in roots])
@@ -117,15 +144,17 @@ def _pack(forest: Forest, budget: int) -> list[np.ndarray]:
     for i in np.argsort(-sizes, kind="stable"):
         root, size = int(roots[i]), int(sizes[i])
         if size > budget:
-            run: list[int] = []
-            used = 0
-            for node in range(root, int(ends[root])):
-                if run and used + lengths[node] > budget:
-                    groups.append(np.asarray(run))
-                    run, used = [], 0
-                run.append(node)
-                used += int(lengths[node])
-            groups.append(np.asarray(run))
+            # Peak memory is set by the largest part: as few runs as the budget allows, and among
+            # cuts into that many runs the one with the smallest largest run (bisection on a cap).
+            runs = _runs(lengths, path_start, root, int(ends[root]), budget, context_weight)
+            lo, hi = 1, budget
+            while lo < hi:
+                cap = (lo + hi) // 2
+                if len(_runs(lengths, path_start, root, int(ends[root]), cap, context_weight)) <= len(runs):
+                    hi = cap
+                else:
+                    lo = cap + 1
+            groups.extend(_runs(lengths, path_start, root, int(ends[root]), hi, context_weight))
             continue
         for b, room in enumerate(bin_room):
             if size <= room:
@@ -139,15 +168,25 @@ def _pack(forest: Forest, budget: int) -> list[np.ndarray]:
     return whole + groups  # cut trees run after the packed ones; their runs stay in order
 
 
-def plan_micro_batches(forest: Forest, budget_tokens: int | None) -> MicroBatchPlan:
-    """Split ``forest`` into parts of at most ``budget_tokens`` unique tokens (None: one part)."""
+DEFAULT_CONTEXT_WEIGHT = 0.25
+
+
+def plan_micro_batches(
+    forest: Forest, budget_tokens: int | None, context_weight: float = DEFAULT_CONTEXT_WEIGHT
+) -> MicroBatchPlan:
+    """Split ``forest`` into parts of at most ``budget_tokens`` unique tokens (None: one part).
+
+    A cut run also counts ``context_weight`` per token of context above it (module docstring).
+    """
+    if not 0.0 <= context_weight <= 1.0:
+        raise ValueError(f"context_weight must lie in [0, 1], got {context_weight}")
     if budget_tokens is None or budget_tokens >= forest.num_tokens:
         part = Part(torch.arange(forest.num_nodes), torch.empty(0, dtype=torch.long), {})
         return MicroBatchPlan(forest, [part])
     if budget_tokens < 1:
         raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
     refined = split_long_nodes(forest, budget_tokens)
-    groups = _pack(refined, budget_tokens)
+    groups = _pack(refined, budget_tokens, context_weight)
     parent = refined.node_parent.numpy()
     starts, lengths = refined.node_start.numpy(), refined.node_length.numpy()
     part_of = np.full(refined.num_nodes, -1, dtype=np.int64)
