@@ -14,9 +14,10 @@ passes:
 2. the loss on detached row log-probs, differentiated once: d loss / d logprob and d entropy,
    so any objective works, including sequence-level ones whose rows span parts (GSPO);
 3. parts in reverse order: recompute the part's forward with autograd (all but the last), the
-   handed-over inputs as leaves, and run backward with the row gradients and the gradients that later parts sent back
-   to this part's exports injected (``torch.autograd.backward(tensors, grad_tensors)``). The
-   gradients of its leaves go back to the parts that produced them.
+   handed-over inputs as leaves, and run backward with the row gradients and the gradients that
+   later parts sent back to this part's exports injected
+   (``torch.autograd.backward(tensors, grad_tensors)``). The gradients of its leaves go back to
+   the parts that produced them.
 
 Peak activation memory is one part's graph plus the handed-over tensors; the price is one extra
 forward of every part but the last (as with activation checkpointing). Recomputation is exact:
