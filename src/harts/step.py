@@ -123,7 +123,7 @@ def forest_backward(
     ``target`` [R]: the token id it predicts. Returns the loss and the row log-probs.
     ``recompute_linear``: linear-attention calls keep only their inputs for backward and run
     again there: about 30% less activation memory per micro-batch on the hybrid bench configs,
-    for 7% (flat) to 22% (tree) more step time.
+    for 7% (flat) to 28% (tree) more step time.
     """
     check_inputs(model, forest)
     predictor = torch.as_tensor(predictor, dtype=torch.long)

@@ -21,7 +21,7 @@ the inputs (q, k, v, g, beta as passed, shared by all calls, and its initial sta
 forward again in backward (``torch.utils.checkpoint``). The kernel's internals (chunk matrices,
 padded slots, per-chunk states) then live only while one call's backward runs, so the padding of
 short tree segments no longer counts: on the hybrid bench configs a 1000-token micro-batch's
-peak falls by about 30%, tree or flat, for one more kernel forward per call (7-22% more step
+peak falls by about 30%, tree or flat, for one more kernel forward per call (7-28% more step
 time).
 """
 
