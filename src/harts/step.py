@@ -202,16 +202,19 @@ def forest_backward(
     logp = torch.empty(predictor.numel(), device=device)
     ent = torch.empty(predictor.numel(), device=device)
     last = len(layouts) - 1
-    kept = None
-    for p in range(len(layouts)):
-        run = forward_part(p, grad=p == last)
-        banks.add(run.exports if p < last else [LayerHandoff() for _ in range(num_layers)])
+
+    def keep_rows(p: int, run: _PartRun) -> None:
         rows = row_parts[p]
         if rows.size:
             logp[rows], ent[rows] = run.logprob.detach().to(logp.dtype), run.entropy.detach().to(ent.dtype)
-        if p == last:
-            kept = run
-        del run
+
+    for p in range(last):
+        run = forward_part(p, grad=False)
+        banks.add(run.exports)
+        keep_rows(p, run)
+    del run
+    kept = forward_part(last, grad=True)  # no part comes after it: its exports are not banked
+    keep_rows(last, kept)
 
     # 2. the loss and its gradient with respect to the rows
     logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
@@ -270,7 +273,6 @@ def forest_backward(
 
     backward_part(last, kept)
     del kept
-    banks.parts.pop()
     for p in range(last - 1, -1, -1):
         backward_part(p, forward_part(p, grad=True))
         banks.parts.pop()  # only later parts read a part's exports, and they are done

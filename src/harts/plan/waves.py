@@ -441,10 +441,9 @@ def plan_linear(
 
 
 def _with_best_chunk(call: LinearCall, keep: torch.Tensor, model: LinearCostModel) -> LinearCall:
-    sub = call.rows(keep, 0)
-    w, t = sub.token_index.shape
-    sub.chunk_size = model.chunk_for(w, t, sub.num_boundaries)
-    return sub
+    """The sub-call of the segments ``keep``, with the chunk the cost model prefers for it."""
+    w, t = int(keep.numel()), int(call.lengths[keep].max())
+    return call.rows(keep, model.chunk_for(w, t, call.num_boundaries))
 
 
 def choose_chunks(plan: LinearPlan, cost_model: LinearCostModel | None = None) -> LinearPlan:
