@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from harts.models import tiny_model
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
+from harts.testing import tiny_model
 
 LOGIT_ATOL = 1e-4  # design.md section 4: fp32 max |logit diff|
 GRAD_RTOL = 1e-4  # design.md section 4: fp32 gradient relative error
@@ -165,6 +165,23 @@ def reference_grads(model, trajectories, weights) -> tuple[list[torch.Tensor], d
             (out * w.double()).sum().backward()
             logits.append(out.detach())
     return logits, param_grads(model64)
+
+
+def reference_sft_grads(model, trajectories) -> tuple[float, dict[str, torch.Tensor]]:
+    """fp64 SFT sum (minus every next-token log-prob) and its gradients, one stock forward each."""
+    model64 = fp64_copy(model)
+    model64.zero_grad(set_to_none=True)
+    total = 0.0
+    with exact_linear_kernels(model64):
+        for traj in trajectories:
+            if len(traj) < 2:
+                continue
+            ids = torch.as_tensor(list(traj), dtype=torch.long)
+            logp = torch.log_softmax(stock_logits(model64, traj)[:-1], -1).gather(1, ids[1:, None])
+            loss = -logp.sum()
+            loss.backward()
+            total += float(loss.detach())
+    return total, param_grads(model64)
 
 
 def grad_relative_errors(got: dict, ref: dict) -> dict[str, float]:

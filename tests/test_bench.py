@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import harts
-from harts.bench import BenchConfig, make_trajectories, run
-from harts.bench_flops import flop_model, forest_flops, ideal_speedup
-from harts.bench_memory import measure_peak, tensor_peak_bytes
-from harts.bench_report import markdown, write_outputs
+from harts.bench.cases import BenchConfig, make_trajectories
+from harts.bench.flops import flop_model, forest_flops, ideal_speedup
+from harts.bench.memory import measure_peak, tensor_peak_bytes
+from harts.bench.report import markdown, write_outputs
+from harts.bench.run import run
 from harts.data.synthetic import scaled
-from harts.models import tiny_model
 from harts.plan.waves import plan_linear
+from harts.testing import tiny_model
 
 ROW_FIELDS = {
     "family",
@@ -93,7 +94,7 @@ def _bytes(mib: float) -> torch.Tensor:
 
 
 def test_tensor_peak_counts_live_tensors():
-    """The CPU tensor peak (harts.bench_memory) against steps whose live bytes are known."""
+    """The CPU tensor peak (harts.bench.memory) against steps whose live bytes are known."""
     held_cache: dict = {}
 
     def overlapping():  # 24 MiB held while 16 MiB are allocated: 40 MiB at once

@@ -2,7 +2,9 @@
 
 For each forest: max |logit diff| <= 1e-4 for every trajectory, next-token log-probs match, and
 the parameter gradients of a random linear functional of all logits match the sum of the
-per-trajectory gradients with relative error <= 1e-4 (fp32, design.md section 4).
+per-trajectory gradients with relative error <= 1e-4 (fp32). Through the one training step
+(``harts.rollout_step``), cut into micro-batches of a few tokens: the SFT loss and its gradients
+match the stock per-trajectory ones to the same bounds.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.models import FAMILIES
+from harts.testing import FAMILIES
 from tests.reference import (
     GRAD_RTOL,
     LOGIT_ATOL,
@@ -24,6 +26,7 @@ from tests.reference import (
     grad_relative_errors,
     param_grads,
     reference_grads,
+    reference_sft_grads,
     stock_logits,
 )
 
@@ -117,6 +120,30 @@ def check_forest(model, trajectories) -> tuple[float, float]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edge_shapes(family, shape):
     check_forest(model_of(family), EDGE[shape])
+
+
+SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # token mean over 1: the plain sum
+
+
+def check_step(model, trajectories, budget: int | None) -> None:
+    """The SFT sum through the one step under ``budget`` against the stock fp64 per-trajectory sum."""
+    ref_loss, ref_grads = reference_sft_grads(model, trajectories)
+    model.zero_grad(set_to_none=True)
+    rollouts = [harts.Rollout(t) for t in trajectories]
+    result = harts.rollout_step(model, rollouts, harts.PolicyLossConfig(kind="sft"), normalizers=SUM,
+                                budget_tokens=budget)  # fmt: skip
+    if budget is not None:
+        assert max(result.tokens_per_micro_batch) <= budget
+    assert abs(float(result.loss) - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    errors = grad_relative_errors(param_grads(model), ref_grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.3g}"
+
+
+@pytest.mark.parametrize("shape", list(EDGE))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edge_shapes_through_the_budgeted_step(family, shape):
+    check_step(model_of(family), EDGE[shape], budget=7)
 
 
 def test_reference_is_sensitive():

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import harts
-from harts.models import tiny_model
+from harts.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ loss, the stock ``output_router_logits=True`` path with the stock ``load_balanci
   to counting, in plain loops, the experts of each trajectory run alone.
 - qwen3_next aux loss: value within 1e-5 relative of the stock one; gradient with respect to
   every parameter (router weights included) within 1e-4 relative of the stock fp64 gradient.
+- The one step (``rollout_step``) under token budgets down to 1: the same counts (exact), aux
+  loss, loss and gradients as without a budget.
 """
 
 from __future__ import annotations
@@ -19,18 +21,9 @@ import pytest
 import torch
 
 import harts
-from harts.models import tiny_model
-from harts.objectives import (
-    LossKind,
-    MoEConfig,
-    PolicyLossConfig,
-    Rollout,
-    RouterRecorder,
-    bias_update,
-    load_balancing_loss,
-    moe_stats,
-    rollout_step,
-)
+from harts import LossKind, MoEConfig, PolicyLossConfig, Rollout, RouterRecorder, moe_stats, rollout_step
+from harts.objectives import bias_update, load_balancing_loss
+from harts.testing import tiny_model
 from tests.reference import (
     GRAD_RTOL,
     cached_model,
@@ -174,10 +167,10 @@ def _rollouts(trajs):
 def test_rollout_step_adds_the_aux_loss():
     model, trajs = model_of("qwen3_next"), FORESTS["star-dups-P8-G6"]
     config = PolicyLossConfig(kind=LossKind.PPO)
-    with torch.no_grad():
-        plain = rollout_step(model, _rollouts(trajs), config)
-        with_aux = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig(aux_loss_coef=0.01))
-        default = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig())
+    plain = rollout_step(model, _rollouts(trajs), config)
+    with_aux = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig(aux_loss_coef=0.01))
+    default = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig())
+    model.zero_grad(set_to_none=True)
     assert plain.moe is None and "moe_aux_loss" not in plain.metrics
     aux = with_aux.moe.aux_loss
     assert torch.allclose(with_aux.loss, plain.loss + 0.01 * aux, rtol=1e-6, atol=0)
@@ -190,9 +183,8 @@ def test_rollout_step_adds_the_aux_loss():
 def test_moe_options_refused_before_compute():
     calls = []
     for family, moe, match in [
-        ("llama", MoEConfig(), "known routers"),
+        ("llama", MoEConfig(), "need an MoE family"),
         ("bailing_hybrid", MoEConfig(aux_loss_coef=0.01), "bias_update"),
-        ("qwen3_next", MoEConfig(aux_loss_coef=-1.0), ">= 0"),
     ]:
         model = model_of(family) if family != "llama" else tiny_model("llama", seed=0)
         handle = model.model.embed_tokens.register_forward_pre_hook(lambda *a: calls.append(1))
@@ -202,6 +194,56 @@ def test_moe_options_refused_before_compute():
         finally:
             handle.remove()
     assert calls == []
+    with pytest.raises(ValueError, match=">= 0"):
+        MoEConfig(aux_loss_coef=-1.0)
+
+
+MOE_BUDGETS = [1, 6]
+
+
+@pytest.mark.parametrize("budget", MOE_BUDGETS, ids=[f"budget{b}" for b in MOE_BUDGETS])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
+    """Counts per part add up to the whole step's; the aux loss, split into each part's share of
+    P against the step's f, gives the same value and gradients as one pass."""
+    model, trajs = model_of(family), FORESTS["nested-branches-2roots"]
+    config = PolicyLossConfig(kind=LossKind.PPO)
+    moe = MoEConfig(aux_loss_coef=0.05 if family == "qwen3_next" else None)
+    runs = []
+    for b in (None, budget):
+        model.zero_grad(set_to_none=True)
+        result = rollout_step(model, _rollouts(trajs), config, budget_tokens=b, moe=moe)
+        runs.append((result, param_grads(model)))
+    (whole, whole_grads), (cut, cut_grads) = runs
+    assert cut.num_micro_batches > 2 and cut.num_cuts >= 1
+    assert torch.equal(cut.moe.expert_counts, whole.moe.expert_counts)
+    assert int(cut.moe.tokens) == int(whole.moe.tokens) == sum(len(t) for t in trajs)
+    assert cut.moe.layers == whole.moe.layers
+    if family == "qwen3_next":
+        aux = float(whole.moe.aux_loss)
+        assert abs(float(cut.moe.aux_loss) - aux) <= AUX_RTOL * aux
+        assert float(cut.metrics["moe_aux_loss"]) == float(cut.moe.aux_loss)
+    else:
+        assert cut.moe.aux_loss is None and whole.moe.aux_loss is None
+    assert abs(float(cut.loss) - float(whole.loss)) <= 1e-6 * max(1.0, abs(float(whole.loss)))
+    errors = grad_relative_errors(cut_grads, whole_grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.2e}"
+
+
+def test_budgeted_aux_gradient_reaches_the_routers():
+    """The aux term's own gradient (no policy loss: zero advantages) matches, and is not zero."""
+    model, trajs = model_of("qwen3_next"), FORESTS["star-dups-P8-G6"]
+    rollouts = [Rollout(t, rollout_logprobs=[-1.0] * len(t), advantages=0.0) for t in trajs]
+    grads = []
+    for b in (None, 3):
+        model.zero_grad(set_to_none=True)
+        rollout_step(model, rollouts, PolicyLossConfig(), budget_tokens=b, moe=MoEConfig(aux_loss_coef=1.0))
+        grads.append(param_grads(model))
+    routers = [n for n in grads[0] if n.endswith("mlp.gate.weight")]
+    assert routers and all(grads[0][n].norm() > 1e-6 for n in routers)
+    errors = grad_relative_errors(grads[1], grads[0])
+    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
 def test_recorder_refuses_mismatched_weights():

@@ -1,11 +1,12 @@
 """RL and SFT objectives on forests through a real model equal a per-trajectory stock reference.
 
-Forest side: ``forest_loss`` (harts.forward once per unique token, log-probs once per unique
-predictor, ``compute_loss`` over global normalisers), fp32. Reference side, written here plainly
-and independently of ``harts.objectives``: the stock Hugging Face forward of each trajectory
-alone in fp64 (``tests/reference.py``: fp64 copy, exact linear-attention kernels), then each
-objective's textbook formula in Python loops over trajectories and positions, then the
-aggregation as the papers write it. Loss values must agree to 1e-5 relative and every
+Forest side: the one training step, ``harts.forest_step`` (the model once per unique token,
+log-probs once per unique predictor, ``compute_loss`` over global normalisers, backward), fp32,
+without a budget and under token budgets down to one token per micro-batch. Reference side,
+written here plainly and independently of ``harts.objectives``: the stock Hugging Face forward
+of each trajectory alone in fp64 (``tests/reference.py``: fp64 copy, exact linear-attention
+kernels), then each objective's textbook formula in Python loops over trajectories and
+positions, then the aggregation as the papers write it. Loss values must agree to 1e-5 relative and every
 parameter's gradient to 1e-4 relative (``grad_relative_errors``).
 
 The fp64 reference log-probs of a (family, forest) are computed once with their graph kept, and
@@ -43,7 +44,6 @@ import pytest
 import torch
 
 import harts
-from harts.models import FAMILIES
 from harts.objectives import (
     Aggregation,
     LossKind,
@@ -51,10 +51,9 @@ from harts.objectives import (
     Rollout,
     build_loss_rows,
     estimate_advantages,
-    forest_loss,
     normalizers_for,
-    rollout_step,
 )
+from harts.testing import FAMILIES
 from tests.reference import (
     GRAD_RTOL,
     cached_model,
@@ -275,8 +274,9 @@ def reference_grads(case: Case, loss) -> dict[str, torch.Tensor]:
 
 
 # ---- the forest side -----------------------------------------------------------------------------
-def forest_step(model, rollouts, parts, config, estimator=None):
-    """Sum of the micro-batch losses (each part its own forest, global normalisers) and the grads."""
+def forest_step(model, rollouts, parts, config, estimator=None, budget=None):
+    """Sum of the losses of ``parts`` (each its own forest and step, global normalisers), the grads
+    and each part's metrics; ``budget`` cuts each part further into micro-batches."""
     model.zero_grad(set_to_none=True)
     built = []
     for part in parts:
@@ -289,14 +289,15 @@ def forest_step(model, rollouts, parts, config, estimator=None):
     norms = normalizers_for([rows for _, rows in built], max_length=MAX_LENGTH)
     total, metrics = torch.zeros((), dtype=torch.float64), []
     for forest, rows in built:
-        loss, m, _ = forest_loss(model, forest, rows, config, norms)
-        loss.backward()
-        total = total + loss.detach().double()
-        metrics.append(m)
+        result = harts.forest_step(model, forest, rows, config, normalizers=norms, budget_tokens=budget)
+        if budget is not None:
+            assert max(result.tokens_per_micro_batch) <= budget
+        total = total + result.loss.double()
+        metrics.append(result.metrics)
     return total, param_grads(model), metrics
 
 
-def check(case, config, parts, estimator=None, ref_advantages=None):
+def check(case, config, parts, estimator=None, ref_advantages=None, budget=None):
     """Assert loss and gradients against the reference; return the errors and the step's metrics.
 
     The loss error is relative to the same aggregation of |per-row terms| (as in
@@ -312,7 +313,7 @@ def check(case, config, parts, estimator=None, ref_advantages=None):
     with torch.no_grad():
         scale = float(reference_loss(case, case.trajs, config, ref_advantages, absolute=True))
     rollouts = rollouts_of(case.trajs, with_advantages=estimator is None)
-    loss, grads, metrics = forest_step(case.model, rollouts, parts, config, estimator)
+    loss, grads, metrics = forest_step(case.model, rollouts, parts, config, estimator, budget)
     diff, ref_value = abs(float(loss) - float(ref.detach())), float(ref.detach())
     loss_err = diff / scale
     errors = grad_relative_errors(grads, ref_grads)
@@ -447,18 +448,38 @@ def test_forests_hold_the_cases_they_claim():
     assert all(len(t.tokens) <= 20 for shape in SHAPES.values() for t in shape)
 
 
+# ---- the budgeted step ----------------------------------------------------------------------------
+BUDGETS = [1, 5]
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budgeted_step_matches_per_trajectory_stock_and_unbudgeted_step(family, objective, budget):
+    """Every objective, every family, under budgets that cut the forest at every node (1) or
+    inside nodes (5): loss and gradients against the reference, metrics against no budget."""
+    case = case_of(family, "branchy-B5")
+    config = _config(objective, Aggregation.SEQ_MEAN_TOKEN_MEAN)
+    parts = [list(range(len(case.trajs)))]
+    whole = check(case, config, parts)["metrics"][0]
+    cut = check(case, config, parts, budget=budget)["metrics"][0]
+    assert set(cut) == set(whole)
+    for name in whole:
+        assert abs(float(cut[name]) - float(whole[name])) <= 1e-5 * max(1.0, abs(float(whole[name]))), name
+
+
 # ---- rollout_step ----------------------------------------------------------------------------------
-def test_rollout_step_equals_forest_loss_and_flat_layout():
+def test_rollout_step_equals_forest_step_and_flat_layout():
     case = case_of("kimi_linear", "branchy-B5")
     config = _config("ppo-kl_k3-entropy", Aggregation.SEQ_MEAN_TOKEN_MEAN)
     rollouts = rollouts_of(case.trajs)
     whole, grads, _ = forest_step(case.model, rollouts, [list(range(len(rollouts)))], config)
-    for share in (True, False):
+    for share, budget in ((True, None), (False, None), (True, 4), (False, 4)):
         case.model.zero_grad(set_to_none=True)
-        step = rollout_step(case.model, rollouts, config, share_prefixes=share)
-        step.loss.backward()
+        step = harts.rollout_step(case.model, rollouts, config, share_prefixes=share, budget_tokens=budget)
         assert step.moe is None and set(step.metrics) >= {"loss", "policy_loss", "kl", "entropy"}
-        assert abs(float(step.loss.detach()) - float(whole)) <= 1e-6 * abs(float(whole))
+        assert step.num_micro_batches > (1 if budget else 0)
+        assert abs(float(step.loss) - float(whole)) <= 1e-6 * abs(float(whole))
         errors = grad_relative_errors(param_grads(case.model), grads)
         assert max(errors.values()) <= GRAD_RTOL
 
@@ -479,13 +500,20 @@ def test_rollout_step_refuses_bad_input_before_compute():
         ]
         for rollouts, config, match in cases:
             with pytest.raises(ValueError, match=match):
-                rollout_step(model, rollouts, config)
+                harts.rollout_step(model, rollouts, config)
+        with pytest.raises(ValueError, match="disagrees"):
+            harts.rollout_step(model, [good], PolicyLossConfig(), budget_tokens=4,
+                               run=harts.RunConfig(budget_tokens=8))  # fmt: skip
         forest = harts.build_forest([[3, 4, 5], [3, 4, 6]])
         other = build_loss_rows(
             harts.build_forest([[3, 4, 7], [3, 4, 6]]), [Rollout([3, 4, 7]), Rollout([3, 4, 6])]
         )
         with pytest.raises(ValueError, match="not built on this forest"):
-            forest_loss(model, forest, other, PolicyLossConfig(kind="sft"), normalizers_for(other))
+            harts.forest_step(model, forest, other, PolicyLossConfig(kind="sft"))
+        predictor, target = harts.next_token_rows(forest)
+        bad_target = torch.tensor([4, 900, 5, 6])
+        with pytest.raises(ValueError, match="row 1: target token id 900 is outside the model's vocabulary"):
+            harts.forest_backward(model, forest, predictor, bad_target, lambda lp, en: lp.sum())
     finally:
         handle.remove()
     assert calls == [], "no model compute may run before the inputs are validated"

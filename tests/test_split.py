@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import harts
-from harts.models import FAMILIES
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
-from harts.step import forest_backward, next_token_rows
+from harts.runtime.step import forest_backward, next_token_rows
+from harts.testing import FAMILIES
 from tests.reference import GRAD_RTOL, cached_model, grad_relative_errors, param_grads
 from tests.test_equivalence import EDGE
 
@@ -115,7 +115,7 @@ def test_recomputed_linear_attention_gives_the_same_gradients(family):
         model.zero_grad(set_to_none=True)
         forest_backward(
             model, forest, predictor, target, lambda lp, en: -(lp.sum() + 0.1 * en.sum()),
-            budget_tokens=4, recompute_linear=recompute,
+            budget_tokens=4, run=harts.RunConfig(recompute_linear=recompute),
         )  # fmt: skip
         grads.append(param_grads(model))
     errors = grad_relative_errors(grads[1], grads[0])

@@ -20,12 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.ops.tree_attention import (
-    masked_tree_attention,
-    plan_reference_mask,
-    plan_tree_attention,
-    tree_attention,
-)
+from harts.ops.tree_attention import masked_tree_attention, tree_attention
+from harts.plan.attention import plan_reference_mask, plan_tree_attention
 
 TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
 ATOL_OUT = 1e-10

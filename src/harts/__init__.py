@@ -2,29 +2,57 @@
 
 Every token shared by several trajectories is computed once in forward and backward, with the
 same logits, loss and gradients as training each trajectory on its own.
+
+The usual entry point is :func:`rollout_step` (one optimizer step's forward and backward over a
+batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows;
+:func:`forest_backward` any loss of row log-probs; :func:`forward` the hidden states and logits.
 """
 
-from harts.adapters.base import supported_families
-from harts.executor import TreeOutput, forward
+from harts.adapters import supported_families
 from harts.forest import Forest, build_forest
-from harts.objectives import MoEConfig, RouterRecorder, forest_loss, moe_stats, rollout_step
-from harts.plan.micro_batches import plan_micro_batches
-from harts.step import StepResult, forest_backward, next_token_rows
+from harts.objectives import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    Aggregation,
+    KLEstimator,
+    LossKind,
+    LossRows,
+    MoEConfig,
+    MoEStats,
+    Normalizers,
+    PolicyLossConfig,
+    Rollout,
+    build_loss_rows,
+    estimate_advantages,
+    normalizers_for,
+    with_advantages,
+)
+from harts.plan.micro_batches import MicroBatchPlan, Part, plan_micro_batches
+from harts.plan.waves import LinearCostModel, PlanMode
+from harts.runtime import (
+    PartObserver,
+    RouterRecorder,
+    RunConfig,
+    StepResult,
+    TreeOutput,
+    forest_backward,
+    forward,
+    next_token_rows,
+)
+from harts.train import forest_step, moe_stats, rollout_step
 
 __all__ = [
-    "Forest",
-    "MoEConfig",
-    "RouterRecorder",
-    "StepResult",
-    "TreeOutput",
-    "build_forest",
-    "forest_backward",
-    "forest_loss",
-    "forward",
-    "moe_stats",
-    "next_token_rows",
-    "plan_micro_batches",
-    "rollout_step",
-    "supported_families",
-]
+    # forests and plans
+    "Forest", "build_forest", "plan_micro_batches", "MicroBatchPlan", "Part",
+    # running a model
+    "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
+    # one step
+    "rollout_step", "forest_step", "forest_backward", "next_token_rows", "StepResult", "PartObserver",
+    # objectives
+    "Rollout", "LossRows", "build_loss_rows", "PolicyLossConfig", "LossKind", "Aggregation", "KLEstimator",
+    "Normalizers", "normalizers_for", "estimate_advantages", "with_advantages", "AdvantageEstimator",
+    "ADVANTAGE_ESTIMATORS",
+    # MoE
+    "MoEConfig", "MoEStats", "RouterRecorder", "moe_stats",
+]  # fmt: skip
 __version__ = "0.1.0"

@@ -19,9 +19,9 @@ import time
 import torch
 
 import harts
-from harts.bench_flops import flop_model, ideal_speedup
+from harts.bench.flops import flop_model, ideal_speedup
 from harts.data.synthetic import agentic
-from harts.models import tiny_model
+from harts.testing import tiny_model
 
 DEMO_MODEL = dict(
     vocab_size=2048,

@@ -31,7 +31,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-__all__ = ["Forest", "build_forest", "as_token_array"]
+__all__ = ["Forest", "build_forest", "as_token_array", "concat_ranges", "node_depth_and_subtree_end"]
 
 
 def as_token_array(seq, index: int) -> np.ndarray:
@@ -208,10 +208,9 @@ class Forest:
     def trajectory_token_indices(self, i: int) -> torch.Tensor:
         """[len_i] unique-token index of every position of trajectory ``i``."""
         nodes = self.trajectory_nodes(i).numpy()
-        starts, lengths = self.node_start.numpy()[nodes], self.node_length.numpy()[nodes]
-        # Each node contributes starts[k], starts[k]+1, ...: one arange shifted per node.
-        shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-        return torch.from_numpy(np.arange(int(lengths.sum()), dtype=np.int64) + shift)
+        return torch.from_numpy(
+            concat_ranges(self.node_start.numpy()[nodes], self.node_length.numpy()[nodes])
+        )
 
     def trajectory(self, i: int) -> torch.Tensor:
         """The exact token ids of trajectory ``i`` (int64 [len_i])."""
@@ -276,6 +275,13 @@ def _neighbour_lcp(arrays: list[np.ndarray], lengths: np.ndarray) -> np.ndarray:
         j = int(neq.argmax())
         lcp[r + 1] = j if neq[j] else n
     return lcp
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every (s, l), without a Python loop."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + offsets
 
 
 def node_depth_and_subtree_end(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,131 +9,76 @@ modules on the [1, N, D] unique tokens. Only the token mixer (attention or linea
 sees the sequence, and an adapter supplies a tree-aware version of it built from the same
 module's parameters and helper functions (no weight copies, no changes to the model).
 
-An adapter is a small object: which modules hold the embedding, layers, final norm, rotary
-embedding and head, and which mixer function runs each layer.
+An adapter is a small object holding one family's knowledge: which modules hold the embedding,
+layers, final norm, rotary embedding and head; which mixer function runs each layer; which
+config options it refuses; which module is its MoE router and how the family balances experts;
+and a tiny configuration for tests and demos. Mixers reach the sequence only through a
+:class:`TreeOps` context, which the runtime implements (:mod:`harts.runtime.handoff`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from harts.ops.backends import current_backend
-from harts.ops.short_conv import tree_short_conv
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
-from harts.plan.layout import TreeLayout
-
 __all__ = [
-    "LayerHandoff",
-    "MixerContext",
+    "TreeOps",
+    "MoEBalancing",
     "FamilyAdapter",
     "register",
     "adapter_for",
     "supported_families",
+    "adapter_for_type",
     "hf_function",
 ]
 
 
-@dataclass
-class LayerHandoff:
-    """What one layer hands from a micro-batch to the later ones that continue its paths.
+class TreeOps(Protocol):
+    """The three sequence operations a tree mixer calls, and the rotary tables it reads.
 
-    - ``key`` / ``value`` [Hkv, X, d]: attention keys (after RoPE and norms) and values of tokens;
-    - ``conv_input`` [X, C]: short-convolution inputs of tokens;
-    - ``states``: {global node: final linear-attention state [H, K, V]}.
+    - ``position_embeddings``: the rotary (cos, sin) at each token's path position, or None;
+    - ``attend(query [1, H, n, d], key, value, scaling)`` -> [1, n, H, dv]: each token attends
+      to its path;
+    - ``conv(mixed [n, C], weight [C, K], bias)`` -> [n, C]: depthwise causal conv along paths;
+    - ``delta_rule(q, k, v, g, beta)`` -> [n, H, V]: gated delta rule with parent-to-child
+      state hand-off.
     """
 
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-    conv_input: torch.Tensor | None = None
-    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = [t for t in (self.key, self.value, self.conv_input) if t is not None]
-        return out + [self.states[n] for n in sorted(self.states)]
+    def attend(self, query, key, value, scaling: float) -> torch.Tensor: ...
 
+    def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor: ...
 
-class MixerContext:
-    """What a token mixer needs beyond its input, and the three sequence ops it calls.
-
-    ``layout`` describes the micro-batch; ``position_embeddings`` are the rotary cos/sin
-    [1, n, d] at path positions; ``layer`` is set by the executor before each layer.
-    ``external[layer]`` holds the context handed over by earlier micro-batches (key space rows
-    0..E-1 for keys/values and conv inputs; states of cut roots' parents); ``exports[layer]``
-    collects what this micro-batch hands on. Mixers never see either: they call
-    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`. ``recompute_linear``: linear-attention
-    calls keep only their inputs for backward and run again there (:func:`tree_gated_delta_rule`).
-    """
-
-    def __init__(
-        self,
-        layout: TreeLayout,
-        position_embeddings,
-        external: list[LayerHandoff] | None = None,
-        recompute_linear: bool = False,
-    ):
-        self.layout = layout
-        self.recompute_linear = recompute_linear
-        self.position_embeddings = position_embeddings
-        self.external = external
-        self.exports: list[LayerHandoff] = []
-        self.layer = -1
-
-    def begin_layer(self, index: int) -> None:
-        self.layer = index
-        self.exports.append(LayerHandoff())
-
-    def _ext(self) -> LayerHandoff | None:
-        return self.external[self.layer] if self.external is not None else None
-
-    def attend(self, query, key, value, scaling: float) -> torch.Tensor:
-        """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv]."""
-        key, value = key[0], value[0]
-        rows = self.layout.export_token_rows
-        if rows.numel():
-            self.exports[-1].key, self.exports[-1].value = key[:, rows], value[:, rows]
-        ext = self._ext()
-        if ext is not None and ext.key is not None:
-            key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
-        return current_backend().attention(query[0], key, value, self.layout.attention_plan, scaling)[None]
-
-    def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
-        """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
-        rows = self.layout.export_token_rows
-        if rows.numel():
-            self.exports[-1].conv_input = mixed[rows]
-        ext = self._ext()
-        if ext is not None and ext.conv_input is not None:
-            mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
-        return tree_short_conv(mixed, weight, self.layout.predecessors(weight.shape[-1]), bias)
-
-    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
-        """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
-        ext = self._ext()
-        root_states = None
-        if ext is not None and self.layout.root_state_source:
-            root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
-        out, states = tree_gated_delta_rule(
-            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states,
-            recompute=self.recompute_linear,
-        )  # fmt: skip
-        for local, glob in self.layout.export_nodes:
-            # clone: a state is often a view of a whole call's stacked states, which would stay alive
-            self.exports[-1].states[glob] = states[local].clone()
-        return out
+    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor: ...
 
 
-Mixer = Callable[[nn.Module, torch.Tensor, MixerContext], torch.Tensor]
+Mixer = Callable[[nn.Module, torch.Tensor, TreeOps], torch.Tensor]
+
+
+class MoEBalancing(StrEnum):
+    """How a family keeps its experts balanced in training."""
+
+    AUX_LOSS = "aux_loss"  # softmax routing trained with the Switch load-balancing loss
+    BIAS = "bias"  # sigmoid routing with a score-correction bias, no aux loss (DeepSeek-V3)
 
 
 class FamilyAdapter:
-    """Base adapter for ``*ForCausalLM`` models whose backbone is ``model.model``."""
+    """Base adapter for ``*ForCausalLM`` models whose backbone is ``model.model``.
+
+    ``router_class``: class name of the family's MoE router (None: no MoE); every router returns
+    ``(router_logits [N, E], weights [N, k], indices [N, k])``. ``moe_balancing``: how the family
+    balances its experts (None: no MoE).
+    """
 
     model_types: tuple[str, ...] = ()
+    router_class: str | None = None
+    moe_balancing: MoEBalancing | None = None
 
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly."""
@@ -152,6 +97,23 @@ class FamilyAdapter:
         """Return (module, mixer function) for one decoder layer."""
         raise NotImplementedError
 
+    def tiny_config(self, model_type: str, **overrides):
+        """A toy configuration of ``model_type`` (tests, demos, benchmarks); keywords override fields."""
+        raise NotImplementedError
+
+
+# Fields every tiny configuration shares: a 128-token vocabulary and 64-wide hidden states.
+TINY_COMMON = dict(
+    vocab_size=128, hidden_size=64, rms_norm_eps=1e-6, initializer_range=0.08,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+)  # fmt: skip
+
+
+def unknown_layer(family: str, layer_type: str) -> ValueError:
+    return ValueError(
+        f"{family}: layer type {layer_type!r} is not supported (expected full_attention or linear_attention)"
+    )
+
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
 
@@ -164,6 +126,13 @@ def register(adapter: FamilyAdapter) -> FamilyAdapter:
 
 def supported_families() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def adapter_for_type(model_type: str) -> FamilyAdapter:
+    """The adapter registered for ``model_type``; ValueError naming the supported families."""
+    if model_type not in _REGISTRY:
+        raise ValueError(f"unknown family {model_type!r}; harts supports: {', '.join(supported_families())}")
+    return _REGISTRY[model_type]
 
 
 def adapter_for(model: nn.Module) -> FamilyAdapter:

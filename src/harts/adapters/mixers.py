@@ -1,7 +1,7 @@
 """Tree-aware token mixers shared by the families: attention and linear attention.
 
 Every function takes the stock module, its normed input ``x`` [1, N, D] over the unique tokens
-of a forest, and a :class:`~harts.adapters.base.MixerContext`; it returns the mixer output
+of a forest, and a :class:`~harts.adapters.base.TreeOps` context; it returns the mixer output
 [1, N, D]. Projections, norms, gates and rotary embeddings are the module's own, applied in the
 order of the stock forward; only the sequence mixing is replaced:
 
@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from harts.adapters.base import MixerContext, hf_function
+from harts.adapters.base import TreeOps, hf_function
 
 __all__ = ["gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer"]
 
 
-def gqa_attention(attn, x, ctx: MixerContext, output_gate: bool = False) -> torch.Tensor:
+def gqa_attention(attn, x, ctx: TreeOps, output_gate: bool = False) -> torch.Tensor:
     """Grouped-query attention (llama, qwen3), optionally with q/k norms and qwen3_next's output gate."""
     n = x.shape[1]
     head_dim = attn.head_dim
@@ -46,7 +46,7 @@ def gqa_attention(attn, x, ctx: MixerContext, output_gate: bool = False) -> torc
     return attn.o_proj(out)
 
 
-def mla_attention(attn, x, ctx: MixerContext, rope: bool, head_gate: bool) -> torch.Tensor:
+def mla_attention(attn, x, ctx: TreeOps, rope: bool, head_gate: bool) -> torch.Tensor:
     """Multi-head latent attention: bailing_hybrid (interleaved RoPE, per-head gate), kimi_linear (NoPE).
 
     The compressed latent (``kv_a_proj_with_mqa`` and its norm) is computed once per unique token
@@ -75,7 +75,7 @@ def mla_attention(attn, x, ctx: MixerContext, rope: bool, head_gate: bool) -> to
     return attn.o_proj(out.reshape(1, n, -1))
 
 
-def _conv(module, mixed, ctx: MixerContext) -> torch.Tensor:
+def _conv(module, mixed, ctx: TreeOps) -> torch.Tensor:
     """The module's depthwise causal conv1d and activation, over path windows. mixed: [N, C]."""
     conv = module.conv1d
     out = ctx.conv(mixed, conv.weight.squeeze(1), conv.bias)
@@ -94,7 +94,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def kda_mixer(attn, x, ctx: MixerContext, output_gate) -> torch.Tensor:
+def kda_mixer(attn, x, ctx: TreeOps, output_gate) -> torch.Tensor:
     """Kimi Delta Attention (bailing_hybrid, kimi_linear): conv, per-channel forget gate, delta rule.
 
     ``output_gate(attn, x)`` gives the pre-activation gate of the gated output norm [1, N, H*d].
@@ -115,7 +115,7 @@ def kda_mixer(attn, x, ctx: MixerContext, output_gate) -> torch.Tensor:
     return attn.o_proj(out)
 
 
-def gdn_mixer(attn, x, ctx: MixerContext) -> torch.Tensor:
+def gdn_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
     """Gated DeltaNet (qwen3_next): fused projections, conv, per-head decay, grouped value heads."""
     n = x.shape[1]
     query, key, value, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x), attn.in_proj_ba(x))

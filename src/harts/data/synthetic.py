@@ -1,4 +1,4 @@
-"""Synthetic rollout generators: token-id trajectories with the shapes of design.md section 8.
+"""Synthetic rollout generators: token-id trajectories shaped like agentic RL rollout forests.
 
 Each generator is deterministic given ``seed`` and ``vocab_size`` and returns ``list[list[int]]``
 with every id in ``[0, vocab_size)``. The token ids are random: these shapes exercise the forest,

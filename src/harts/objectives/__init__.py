@@ -3,9 +3,9 @@
 ``rollout``: the input dataclass and its checks. ``rows``: one row per (trajectory, predicted
 position) over a forest. ``losses``: SFT, PPO/DAPO/dual clip, GSPO, KL, entropy, aggregation by
 global normalisers. ``advantages``: GRPO, Dr. GRPO, RLOO, tree and first-error-step estimators.
-``model_loss``: the glue that runs a model over a forest into ``compute_loss`` (``forest_loss``,
-``rollout_step``). ``moe``: router statistics weighted by multiplicity (aux loss, expert counts).
-Formulas and sources: ``docs/objectives.md``.
+``moe``: router statistics weighted by multiplicity (aux loss, expert counts). Everything here is
+a pure function of tensors, rows and forests: nothing calls a model (that is
+:func:`harts.rollout_step`'s job). Formulas and sources: ``docs/objectives.md``.
 """
 
 from harts.objectives.advantages import (
@@ -37,19 +37,14 @@ from harts.objectives.losses import (
     ppo_clip_loss,
     sft_loss,
 )
-from harts.objectives.model_loss import RolloutStepResult, forest_loss, rollout_step
 from harts.objectives.moe import (
-    AUX_LOSS_FAMILIES,
-    BIAS_BALANCED_FAMILIES,
-    ROUTER_CLASSES,
     MoEConfig,
     MoEStats,
-    RouterRecorder,
+    aux_loss_from_sums,
     bias_update,
     expert_counts,
-    find_routers,
     load_balancing_loss,
-    moe_stats,
+    routing_sums,
 )
 from harts.objectives.rollout import CheckedRollout, Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows, unique_predictors
@@ -63,7 +58,6 @@ __all__ = [
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
     "pitfall_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "estimate_advantages",
     "with_advantages", "advantages_to_rollouts",
-    "forest_loss", "rollout_step", "RolloutStepResult",
-    "MoEConfig", "MoEStats", "RouterRecorder", "moe_stats", "load_balancing_loss", "expert_counts",
-    "bias_update", "find_routers", "ROUTER_CLASSES", "AUX_LOSS_FAMILIES", "BIAS_BALANCED_FAMILIES",
+    "MoEConfig", "MoEStats", "load_balancing_loss", "routing_sums", "aux_loss_from_sums", "expert_counts",
+    "bias_update",
 ]  # fmt: skip

@@ -9,10 +9,11 @@ Two forms live here:
 - the plain form (:func:`masked_tree_attention` with :func:`plan_reference_mask`): one
   scaled_dot_product_attention (SDPA) call with a dense boolean mask [n, m]. Exact and simple,
   the reference the tests hold the grouped form to; cost and memory O(n m).
-- the grouped form (:func:`plan_tree_attention`, :func:`tree_attention`): each node's queries,
-  split into query blocks, attend to [ancestor keys ; own keys], gathered by index; blocks of
-  similar shape are padded into a few batched SDPA calls. Cost is about the exact cost, the sum
-  of path positions, plus bounded waste (causal triangles of the blocks and padding). The key
+- the grouped form (:func:`tree_attention` over a plan from :mod:`harts.plan.attention`): each
+  node's queries, split into query blocks, attend to [ancestor keys ; own keys], gathered by
+  index; blocks of similar shape are padded into a few batched SDPA calls. Cost is about the
+  exact cost, the sum of path positions, plus bounded waste (causal triangles of the blocks and
+  padding). The key
   space may be larger than the query space (keys of ancestors computed in an earlier
   micro-batch).
 
@@ -44,32 +45,13 @@ Shapes: q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv] (heads first, no batch); ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = [
-    "masked_tree_attention",
-    "TreeAttentionPlan",
-    "plan_tree_attention",
-    "plan_reference_mask",
-    "tree_attention",
-]
+from harts.plan.attention import AttentionGroup, TreeAttentionPlan
 
-# Query blocks: a block's own causal triangle is wasted work, about b / (2 (a + s + b)) of it for a
-# block of b queries at offset s below a ancestor keys; b <= (a + s) / 4 keeps that under 1/10.
-_MIN_QUERY_BLOCK = 128
-_BLOCK_DIV = 4
-# Grouping: the padding a block adds to its group may reach this fraction of its own work plus a
-# fixed allowance (score elements, about the cost of one more call), so small blocks share calls.
-_PAD_SLACK = 0.2
-_CALL_ALLOWANCE = 2048
-# Short query blocks are counted as this many rows in the budget, which also bounds gathered keys.
-_MIN_BUDGET_ROWS = 64
-_DEFAULT_GROUP_TOKENS = 1 << 24
+__all__ = ["masked_tree_attention", "tree_attention"]
 
 
 def masked_tree_attention(
@@ -93,207 +75,6 @@ def masked_tree_attention(
 # ---- grouped form ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Group:
-    """One SDPA call: ``size`` (G) query blocks padded to Lq queries and Lk keys."""
-
-    size: int
-    lq: int
-    lk: int
-    pad_keys: bool  # some block has fewer than Lk keys: the call needs the padding channel
-
-
-@dataclass(eq=False)
-class TreeAttentionPlan:
-    """Index tensors of one micro-batch's grouped tree attention, reused by every layer.
-
-    ``query_index`` [sum G * Lq] and ``key_index`` [sum G * Lk] hold the groups' rows one after
-    another, each group laid out [G, Lq] / [G, Lk], right-aligned; padding queries read row 0 and
-    padding keys row m (the pad key). With r query heads per key/value head, query t's head s
-    lands on row ``r * row_base[t] + s * row_stride[t] + row_offset[t]`` of the groups' outputs
-    stacked (each laid out [G, r, Lq]). ``exact_cost`` counts the (query, key) pairs on paths,
-    ``padded_cost`` the score elements the groups compute (per head).
-    """
-
-    num_queries: int
-    num_keys: int
-    groups: list[_Group]
-    query_index: torch.Tensor
-    key_index: torch.Tensor
-    row_base: torch.Tensor  # [n]
-    row_stride: torch.Tensor  # [n]
-    row_offset: torch.Tensor  # [n]
-    exact_cost: int
-    padded_cost: int
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    def mask(self, lq: int, lk: int, r: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """[1, 1, r * Lq, Lk] additive bottom-right causal mask, cached so layers share one tensor."""
-        if lq == 1:
-            return None  # the single query row sees every key
-        key = ("mask", lq, lk, r, dtype)
-        if key not in self._cache:
-            allowed = torch.ones(lq, lk, dtype=torch.bool, device=self.key_index.device).tril_(lk - lq)
-            additive = torch.zeros(lq, lk, dtype=dtype, device=allowed.device)
-            self._cache[key] = additive.masked_fill_(~allowed, float("-inf")).repeat(r, 1)[None, None]
-        return self._cache[key]
-
-    def head_rows(self, hkv: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of q [Hkv, r * n, .] for all groups ([sum G * r * Lq]) and of the stacked outputs
-        [Hkv * R, .] for every (query, head) ([n, H]); cached per head layout."""
-        key = ("rows", hkv, r)
-        if key not in self._cache:
-            n, heads = self.num_queries, torch.arange(r, device=self.key_index.device)
-            parts = self.query_index.split([g.size * g.lq for g in self.groups])
-            rows = torch.cat([(p.view(g.size, 1, g.lq) + heads[:, None] * n).reshape(-1)
-                              for p, g in zip(parts, self.groups, strict=True)])
-            total = r * sum(g.size * g.lq for g in self.groups)
-            within = r * self.row_base[:, None] + heads * self.row_stride[:, None] + self.row_offset[:, None]
-            kv = torch.arange(hkv, device=heads.device)[None, :, None]
-            self._cache[key] = rows, (kv * total + within[:, None, :]).reshape(n, hkv * r)
-        return self._cache[key]
-
-
-def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys, num_queries, num_keys):
-    """Host-side int64 copies of the node description, checked; raises on inconsistent input."""
-    qs, ln, ks = (np.asarray(torch.as_tensor(x).detach().cpu(), dtype=np.int64).reshape(-1)
-                  for x in (node_query_start, node_length, node_key_start))
-    if not (qs.shape == ln.shape == ks.shape):
-        raise ValueError(f"node_query_start, node_length, node_key_start must have one shape [M], got "
-                         f"{qs.shape}, {ln.shape}, {ks.shape}")
-    if len(node_ancestor_keys) != qs.size:
-        got = len(node_ancestor_keys)
-        raise ValueError(f"expected {qs.size} ancestor key tensors (one per node), got {got}")
-    if qs.size and (ln.min() < 1 or qs.min() < 0 or ks.min() < 0
-                    or (qs + ln).max() > num_queries or (ks + ln).max() > num_keys):
-        raise ValueError(f"node ranges fall outside [0, {num_queries}) queries / [0, {num_keys}) keys "
-                         "or a node is empty")
-    cover = np.zeros(num_queries + 1, dtype=np.int64)
-    np.add.at(cover, qs, 1)
-    np.add.at(cover, qs + ln, -1)
-    if (np.cumsum(cover)[:num_queries] != 1).any():
-        raise ValueError(f"nodes must cover each of the {num_queries} query rows exactly once")
-    anc = [np.asarray(torch.as_tensor(a).cpu(), dtype=np.int64).reshape(-1) for a in node_ancestor_keys]
-    bad = [i for i, a in enumerate(anc) if a.size and (a.min() < 0 or a.max() >= num_keys)]
-    if bad:
-        raise ValueError(f"node {bad[0]}: ancestor key rows must lie in [0, {num_keys})")
-    return qs, ln, ks, anc
-
-
-def _query_blocks(a: int, length: int, budget: int) -> list[tuple[int, int]]:
-    """(start, size) of one node's query blocks, given ``a`` ancestor keys and a score budget."""
-    blocks, s = [], 0
-    while s < length:
-        b = max(_MIN_QUERY_BLOCK, (a + s) // _BLOCK_DIV)
-        # Largest b with b * (a + s + b) <= budget: the block alone must fit one call.
-        fit = int((-(a + s) + ((a + s) ** 2 + 4 * budget) ** 0.5) / 2)
-        b = max(1, min(b, fit, length - s))
-        if 0 < length - s - b <= b // 4 and (length - s) * (a + length) <= budget:
-            b = length - s  # fold a short tail into this block rather than start another call
-        blocks.append((s, b))
-        s += b
-    return blocks
-
-
-def plan_tree_attention(
-    node_query_start: torch.Tensor,
-    node_length: torch.Tensor,
-    node_key_start: torch.Tensor,
-    node_ancestor_keys: list[torch.Tensor],
-    num_queries: int,
-    num_keys: int,
-    device=None,
-    max_group_tokens: int | None = None,
-) -> TreeAttentionPlan:
-    """Group one micro-batch's nodes into batched attention calls. Loops over nodes once, on the host.
-
-    Node m owns query rows ``[node_query_start[m], + node_length[m])`` and key rows
-    ``[node_key_start[m], + node_length[m])``; ``node_ancestor_keys[m]`` lists the key rows of all
-    tokens on its ancestor nodes in path order. Nodes must cover the query rows exactly once.
-    ``max_group_tokens`` bounds one call's G * max(Lq, 64) * Lk score elements per head (default
-    2**24); a single query block whose key row alone exceeds it still runs, one query at a time.
-    """
-    budget = int(max_group_tokens or _DEFAULT_GROUP_TOKENS)
-    if budget < 1:
-        raise ValueError(f"max_group_tokens must be positive, got {max_group_tokens}")
-    qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
-                                   num_queries, num_keys)
-    device = torch.device(device or "cpu")
-    # Blocks: (node, own offset s, queries b); keys are a + s + b (ancestors and own keys up to its end).
-    blocks = [(m, s, b) for m in range(qs.size) for s, b in _query_blocks(anc[m].size, int(ln[m]), budget)]
-    lq = np.array([b for _, _, b in blocks], dtype=np.int64)
-    lk = np.array([anc[m].size + s + b for m, s, b in blocks], dtype=np.int64)
-    # Similar shapes next to each other: query-size class (powers of two), then keys descending.
-    order = np.lexsort((-lq, -lk, -np.ceil(np.log2(np.maximum(lq, 1)))))
-    # Greedy: a block joins the open group while the padding it adds, and the group's padding in
-    # all, stay within a fraction of the work plus a fixed allowance (about one call's overhead).
-    # Large blocks thus get calls of their own, which costs little.
-    spans, start, g_lq, g_lk, g_exact = [], 0, 0, 0, 0
-    for pos, j in enumerate(order):
-        size, n_lq, n_lk, e = pos - start, max(g_lq, lq[j]), max(g_lk, lk[j]), lq[j] * lk[j]
-        padded = (size + 1) * n_lq * n_lk
-        added = padded - size * g_lq * g_lk - e > _CALL_ALLOWANCE + _PAD_SLACK * e
-        total = padded - g_exact - e > _CALL_ALLOWANCE + _PAD_SLACK * (g_exact + e)
-        over = (size + 1) * max(n_lq, _MIN_BUDGET_ROWS) * n_lk > budget
-        lone = (lk[j] == 1) != (g_lk == 1)  # queries with one key get groups of their own (tree_attention)
-        if size and (over or added or total or lone):
-            spans.append((start, pos, g_lq, g_lk))
-            start, n_lq, n_lk, g_exact = pos, lq[j], lk[j], 0
-        g_lq, g_lk, g_exact = n_lq, n_lk, g_exact + e
-    if order.size:
-        spans.append((start, order.size, g_lq, g_lk))
-    # Groups without key padding first: they skip the padding channel (+1 head width costs CPU
-    # flash attention more than its share, about 15% at 32 channels), and a tensor's gathers
-    # stay one contiguous index range per kind.
-    spans.sort(key=lambda sp: bool((lk[order[sp[0]:sp[1]]] < sp[3]).any()))
-
-    n = num_queries
-    row_base, row_stride, row_offset = (np.zeros(n, dtype=np.int64) for _ in range(3))
-    groups, q_parts, k_parts, base, padded = [], [], [], 0, 0
-    for g0, g1, g_lq, g_lk in spans:
-        g_lq, g_lk, size = int(g_lq), int(g_lk), g1 - g0
-        q_index = np.zeros((size, g_lq), dtype=np.int64)
-        k_index = np.full((size, g_lk), num_keys, dtype=np.int64)
-        for slot, j in enumerate(order[g0:g1]):
-            m, s, b = blocks[j]
-            a = anc[m].size
-            rows = qs[m] + s + np.arange(b)
-            q_index[slot, g_lq - b:] = rows
-            k_index[slot, g_lk - a - s - b: g_lk - s - b] = anc[m]
-            k_index[slot, g_lk - s - b:] = ks[m] + np.arange(s + b)
-            row_base[rows] = base + slot * g_lq
-            row_stride[rows] = g_lq
-            row_offset[rows] = g_lq - b + np.arange(b)
-        q_parts.append(q_index.reshape(-1))
-        k_parts.append(k_index.reshape(-1))
-        groups.append(_Group(size, g_lq, g_lk, bool((lk[order[g0:g1]] < g_lk).any())))
-        base += size * g_lq
-        padded += size * g_lq * g_lk
-    exact = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
-    q_all, k_all = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (q_parts, k_parts))
-    return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
-                             for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded)
-
-
-def plan_reference_mask(
-    node_query_start: torch.Tensor,
-    node_length: torch.Tensor,
-    node_key_start: torch.Tensor,
-    node_ancestor_keys: list[torch.Tensor],
-    num_queries: int,
-    num_keys: int,
-    device=None,
-    max_group_tokens: int | None = None,
-) -> torch.Tensor:
-    """[n, m] bool: the keys each query may see, built densely node by node (tests only)."""
-    qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
-                                   num_queries, num_keys)
-    mask = torch.zeros(num_queries, num_keys, dtype=torch.bool)
-    for m in range(qs.size):
-        q0, k0, length = int(qs[m]), int(ks[m]), int(ln[m])
-        mask[q0: q0 + length, torch.from_numpy(anc[m])] = True
-        mask[q0: q0 + length, k0: k0 + length] = torch.ones(length, length, dtype=torch.bool).tril_()
-    return mask.to(device or "cpu")
 
 
 def tree_attention(
@@ -444,7 +225,7 @@ def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float):
                    vx.index_select(1, kr).view(hkv, g.size, g.lk, dp))
 
 
-def _attend_group(g: _Group, qg, kg, vg, mask, scaling: float) -> torch.Tensor:
+def _attend_group(g: AttentionGroup, qg, kg, vg, mask, scaling: float) -> torch.Tensor:
     """One group's attention [Hkv, G, r * Lq, dp] by autograd-able ops (any device)."""
     if g.lk == 1:
         # A lone key gets weight 1: its value, exactly, and exactly zero gradient for the query

@@ -16,24 +16,19 @@ and derives, lazily and cached:
 
 from __future__ import annotations
 
+import functools
+import time
 from functools import cached_property
 
 import numpy as np
 import torch
 
-from harts.forest import Forest, node_depth_and_subtree_end
-from harts.ops.tree_attention import TreeAttentionPlan, plan_tree_attention
+from harts.forest import Forest, concat_ranges, node_depth_and_subtree_end
+from harts.plan.attention import TreeAttentionPlan, plan_tree_attention
 from harts.plan.micro_batches import Part
-from harts.plan.waves import LinearPlan, PlanMode, plan_linear
+from harts.plan.waves import LinearCostModel, LinearPlan, PlanMode, plan_linear
 
 __all__ = ["TreeLayout", "part_forest"]
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for every (s, l), without a Python loop."""
-    total = int(lengths.sum())
-    offsets = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + offsets
 
 
 def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
@@ -42,7 +37,7 @@ def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
     Parents outside the part become -1 (local roots); path positions stay global.
     """
     lengths = forest.node_length.numpy()[nodes]
-    global_tokens = _ranges(forest.node_start.numpy()[nodes], lengths)
+    global_tokens = concat_ranges(forest.node_start.numpy()[nodes], lengths)
     local_of = np.full(forest.num_nodes, -1, dtype=np.int64)
     local_of[nodes] = np.arange(nodes.size)
     gparent = forest.node_parent.numpy()[nodes]
@@ -66,8 +61,28 @@ def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
     return local, global_tokens
 
 
+def _timed(fn):
+    """Add the time a lazy plan takes to build to the layout's ``build_seconds``."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        start = time.perf_counter()
+        try:
+            return fn(self, *args)
+        finally:
+            self.build_seconds += time.perf_counter() - start
+
+    return wrapper
+
+
 class TreeLayout:
-    """Device-side index tensors of one micro-batch (a whole forest, or one part of a cut one)."""
+    """Device-side index tensors of one micro-batch (a whole forest, or one part of a cut one).
+
+    Building a part's layout touches only the part's tokens and the context it reads: global
+    token ids map to key-space rows by binary search over the part's sorted external and own
+    token ids, never through a map over the whole forest. ``build_seconds`` accumulates the time
+    spent building the layout and its lazy plans.
+    """
 
     def __init__(
         self,
@@ -75,8 +90,12 @@ class TreeLayout:
         device: torch.device | str = "cpu",
         part: Part | None = None,
         linear_mode: PlanMode | str = PlanMode.AUTO,
+        cost_model: LinearCostModel | None = None,
     ):
+        start = time.perf_counter()
+        self.build_seconds = 0.0
         self.linear_mode = linear_mode
+        self.cost_model = cost_model
         self.global_forest = forest
         self.device = torch.device(device)
         if part is None:
@@ -94,14 +113,7 @@ class TreeLayout:
         self.forest = self.local
         self.node_set = {int(n) for n in self.nodes}
         self.num_external = int(self.external_tokens.size)
-        # key-space row of every global token this part can see (-1: not visible)
-        key_row = np.full(forest.num_tokens, -1, dtype=np.int64)
-        key_row[self.external_tokens] = np.arange(self.num_external)
-        key_row[self.global_tokens] = self.num_external + np.arange(self.global_tokens.size)
-        self._key_row = key_row
-        local_token = np.full(forest.num_tokens, -1, dtype=np.int64)
-        local_token[self.global_tokens] = np.arange(self.global_tokens.size)
-        self.export_token_rows = torch.as_tensor(local_token[export_tokens], device=self.device)
+        self.export_token_rows = torch.as_tensor(self._own_rows(export_tokens), device=self.device)
         self.export_token_ids = export_tokens
         local_node = {int(g): i for i, g in enumerate(self.nodes)}
         self.export_nodes = [(local_node[g], g) for g in export_nodes]
@@ -111,6 +123,28 @@ class TreeLayout:
         self.tokens = self.local.tokens.to(self.device)
         self.positions = self.local.token_position.to(self.device)
         self._predecessors: dict[int, torch.Tensor] = {}
+        self.build_seconds += time.perf_counter() - start
+
+    def _own_rows(self, global_ids: np.ndarray) -> np.ndarray:
+        """Local index of each global token id, which must belong to this part (ids ascending)."""
+        rows = np.searchsorted(self.global_tokens, global_ids)
+        if global_ids.size and not np.array_equal(
+            self.global_tokens[np.minimum(rows, self.num_tokens - 1)], global_ids
+        ):
+            raise AssertionError("a part exports a token it does not hold")
+        return rows
+
+    def key_rows(self, global_ids: np.ndarray) -> np.ndarray:
+        """Key-space row of each global token id: external rows first, then own tokens; -1 if unseen."""
+        global_ids = np.asarray(global_ids, dtype=np.int64)
+        out = np.full(global_ids.shape, -1, dtype=np.int64)
+        for ids, base in ((self.external_tokens, 0), (self.global_tokens, self.num_external)):
+            if not ids.size:
+                continue
+            pos = np.searchsorted(ids, global_ids)
+            found = ids[np.minimum(pos, ids.size - 1)] == global_ids
+            out = np.where(found, base + pos, out)
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -129,9 +163,10 @@ class TreeLayout:
             path.append(node)
             node = int(f.node_parent[node])
         path = np.asarray(path[::-1])
-        return self._key_row[_ranges(f.node_start.numpy()[path], f.node_length.numpy()[path])]
+        return self.key_rows(concat_ranges(f.node_start.numpy()[path], f.node_length.numpy()[path]))
 
     @cached_property
+    @_timed
     def node_ancestor_keys(self) -> list[torch.Tensor]:
         """Per local node, the key rows of every token on its ancestor nodes, in path order."""
         f = self.local
@@ -149,6 +184,7 @@ class TreeLayout:
         return [torch.as_tensor(k, dtype=torch.long) for k in keys]
 
     @cached_property
+    @_timed
     def attention_plan(self) -> TreeAttentionPlan:
         f = self.local
         return plan_tree_attention(
@@ -161,16 +197,29 @@ class TreeLayout:
             device=self.device,
         )
 
+    @_timed
     def predecessors(self, window: int) -> torch.Tensor:
-        """[n, window] key-space rows of each token's path predecessors (-1 before the path start)."""
+        """[n, window] key-space rows of each token's path predecessors (-1 before the path start).
+
+        Walks back ``window - 1`` steps from the part's own tokens along the global forest's
+        ``token_previous`` (built once per forest): O(n * window) per part.
+        """
         if window not in self._predecessors:
-            glob = self.global_forest.token_predecessors(window)[torch.as_tensor(self.global_tokens)]
-            rows = torch.where(glob >= 0, torch.as_tensor(self._key_row)[glob.clamp(min=0)], -1)
+            if window < 1:
+                raise ValueError(f"window must be at least 1, got {window}")
+            prev = self.global_forest.token_previous.numpy()
+            cols = [self.global_tokens]
+            for _ in range(window - 1):
+                last = cols[-1]
+                cols.append(np.where(last >= 0, prev[np.maximum(last, 0)], -1))
+            glob = np.stack(cols[::-1], axis=1)
+            rows = np.where(glob >= 0, self.key_rows(glob), -1)
             if bool((rows[glob >= 0] < 0).any()):
                 raise AssertionError("a convolution window reaches a token this part cannot see")
-            self._predecessors[window] = rows.to(self.device)
+            self._predecessors[window] = torch.as_tensor(rows, device=self.device)
         return self._predecessors[window]
 
     @cached_property
+    @_timed
     def linear_plan(self) -> LinearPlan:
-        return plan_linear(self.local, self.linear_mode).to(self.device)
+        return plan_linear(self.local, self.linear_mode, self.cost_model).to(self.device)

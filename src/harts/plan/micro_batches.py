@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.forest import Forest, node_depth_and_subtree_end
+from harts.forest import Forest, concat_ranges, node_depth_and_subtree_end
 
 __all__ = ["Part", "MicroBatchPlan", "split_long_nodes", "plan_micro_batches"]
 
@@ -171,6 +171,11 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
 DEFAULT_CONTEXT_WEIGHT = 0.25
 
 
+def _node_tokens(starts: np.ndarray, lengths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Token ids of ``nodes`` (ascending node ids give ascending tokens)."""
+    return concat_ranges(starts[nodes], lengths[nodes])
+
+
 def plan_micro_batches(
     forest: Forest, budget_tokens: int | None, context_weight: float = DEFAULT_CONTEXT_WEIGHT
 ) -> MicroBatchPlan:
@@ -193,7 +198,8 @@ def plan_micro_batches(
     for p, nodes in enumerate(groups):
         part_of[nodes] = p
     parts = []
-    export_tokens: list[set[int]] = [set() for _ in groups]
+    # per producer part: arrays of its token ids and nodes that later parts read
+    export_tokens: list[list[np.ndarray]] = [[] for _ in groups]
     export_nodes: list[set[int]] = [set() for _ in groups]
     for p, nodes in enumerate(groups):
         root_parents = {}
@@ -209,16 +215,15 @@ def plan_micro_batches(
                 while a >= 0 and part_of[a] != p and a not in ext_nodes:
                     ext_nodes.add(a)
                     a = int(parent[a])
-        ext = sorted(ext_nodes)
-        ext_tokens = (
-            np.concatenate([np.arange(starts[a], starts[a] + lengths[a]) for a in ext])
-            if ext
-            else np.empty(0, dtype=np.int64)
-        )
-        for a in ext:
-            export_tokens[part_of[a]].update(range(int(starts[a]), int(starts[a] + lengths[a])))
+        ext = np.asarray(sorted(ext_nodes), dtype=np.int64)
+        ext_tokens = _node_tokens(starts, lengths, ext)
+        for q in np.unique(part_of[ext]).tolist():
+            export_tokens[q].append(_node_tokens(starts, lengths, ext[part_of[ext] == q]))
         parts.append(Part(torch.as_tensor(np.sort(nodes)), torch.as_tensor(ext_tokens), root_parents))
     for p, part in enumerate(parts):
-        part.export_tokens = torch.as_tensor(sorted(export_tokens[p]), dtype=torch.long)
+        tokens = (
+            np.unique(np.concatenate(export_tokens[p])) if export_tokens[p] else np.empty(0, dtype=np.int64)
+        )
+        part.export_tokens = torch.as_tensor(tokens, dtype=torch.long)
         part.export_nodes = sorted(export_nodes[p])
     return MicroBatchPlan(refined, parts)

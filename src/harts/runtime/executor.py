@@ -8,7 +8,7 @@ as log-probs of chosen targets computed once per unique predicting token, in row
 
 ``run_layout`` is the same pass over one micro-batch of a cut forest: it reads the keys/values,
 conv inputs and states handed over by earlier micro-batches and returns what it hands on
-(:mod:`harts.step` drives it). Losses live in :mod:`harts.objectives`.
+(:mod:`harts.runtime.step` drives it). Losses live in :mod:`harts.objectives`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import harts.adapters.families  # noqa: F401  (registers the supported families)
-from harts.adapters.base import LayerHandoff, MixerContext, adapter_for
+from harts.adapters import adapter_for
 from harts.forest import Forest
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, token_logprobs
 from harts.plan.layout import TreeLayout
+from harts.runtime.config import RunConfig
+from harts.runtime.handoff import LayerHandoff, MixerContext
 
-__all__ = ["forward", "TreeOutput"]
+__all__ = ["forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for"]
 
 
 class TreeOutput:
@@ -31,25 +32,33 @@ class TreeOutput:
     - ``hidden_states`` [N, D]: after the model's final norm, in the forest's token order.
     """
 
-    def __init__(self, hidden_states: torch.Tensor, forest: Forest, lm_head: nn.Module, layout: TreeLayout):
+    def __init__(
+        self,
+        hidden_states: torch.Tensor,
+        forest: Forest,
+        lm_head: nn.Module,
+        layout: TreeLayout,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    ):
         self.hidden_states = hidden_states
         self.forest = forest
         self.lm_head = lm_head
         self.layout = layout
+        self.chunk_rows = chunk_rows
 
     def trajectory_logits(self, i: int) -> torch.Tensor:
         """[len_i, vocab] logits of trajectory ``i``, equal to the stock forward of that trajectory alone."""
         idx = self.forest.trajectory_token_indices(i).to(self.hidden_states.device)
         return self.lm_head(self.hidden_states[idx])
 
-    def trajectory_logprobs(self, i: int, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    def trajectory_logprobs(self, i: int, chunk_rows: int | None = None) -> torch.Tensor:
         """[len_i - 1] log-prob of each next token of trajectory ``i`` (position p predicted by p - 1)."""
         idx = self.forest.trajectory_token_indices(i)
         targets = self.forest.tokens[idx[1:]]
         logp, _ = self.logprobs(idx[:-1], targets, chunk_rows=chunk_rows)
         return logp
 
-    def all_trajectory_logprobs(self, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> list[torch.Tensor]:
+    def all_trajectory_logprobs(self, chunk_rows: int | None = None) -> list[torch.Tensor]:
         """Next-token log-probs of every trajectory, [len_i - 1] each, from one pass over the head.
 
         Shared predicting positions are read once: prefer this to calling
@@ -63,7 +72,7 @@ class TreeOutput:
         return list(torch.split(logp, [idx.numel() - 1 for idx in indices]))
 
     def logprobs(
-        self, predictor: torch.Tensor, target: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS
+        self, predictor: torch.Tensor, target: torch.Tensor, chunk_rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob [R], entropy [R]) for rows given by unique predicting index and target id.
 
@@ -79,11 +88,11 @@ class TreeOutput:
             inverse,
             target,
             bias=self.lm_head.bias,
-            chunk_rows=chunk_rows,
+            chunk_rows=chunk_rows or self.chunk_rows,
         )
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -125,13 +134,27 @@ def run_layout(
     return backbone.norm(hidden)[0], ctx.exports
 
 
-def forward(model: nn.Module, forest: Forest) -> TreeOutput:
+def layout_for(forest: Forest, device, run: RunConfig, part=None) -> TreeLayout:
+    """The layout of ``forest`` (or of one ``part`` of it) with ``run``'s planning knobs."""
+    return TreeLayout(forest, device, part, linear_mode=run.linear_plan, cost_model=run.cost_model)
+
+
+def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> TreeOutput:
     """Run ``model`` (a supported ``*ForCausalLM``) over every unique token of ``forest`` once.
 
-    Raises ValueError before any compute for an unsupported model or a token id outside the
-    model's vocabulary (naming the trajectory and position).
+    The whole forest is one micro-batch (``run.budget_tokens`` must be None: a budget needs the
+    loss to run each part's backward, see :func:`harts.forest_backward`). ``run`` supplies the
+    linear plan, cost model, head chunk and recompute settings. Raises ValueError before any
+    compute for an unsupported model or a token id outside the model's vocabulary (naming the
+    trajectory and position).
     """
+    run = RunConfig.resolve(run)
+    if run.budget_tokens is not None:
+        raise ValueError(
+            "harts.forward runs the whole forest at once and keeps its graph; for a token budget use "
+            "harts.forest_backward or harts.rollout_step, which run each part's backward in turn"
+        )
     check_inputs(model, forest)
-    layout = TreeLayout(forest, _model_device(model))
-    hidden, _ = run_layout(model, layout)
-    return TreeOutput(hidden, forest, model.lm_head, layout)
+    layout = layout_for(forest, model_device(model), run)
+    hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)
+    return TreeOutput(hidden, forest, model.lm_head, layout, run.chunk_rows)

@@ -12,7 +12,7 @@ from pathlib import Path
 __all__ = ["markdown", "write_outputs", "plot"]
 
 _PEERS = ("prefix_grouper", "flash_pref")
-# What each memory method of harts.bench_memory measures (results.json keeps the method per figure).
+# What each memory method of harts.bench.memory measures (results.json keeps the method per figure).
 _METHODS = {
     "cpu_tensor_peak": "live tensors",
     "cuda_max_allocated": "live tensors",
@@ -114,6 +114,15 @@ def peer_table(results: dict) -> list[str]:
     return lines
 
 
+def _run(cfg: dict) -> dict:
+    return cfg.get("run") or {}
+
+
+def _budget(cfg: dict):
+    """The micro-batch budget of a run (results written before the run config held it: top level)."""
+    return _run(cfg).get("budget_tokens", cfg.get("budget_tokens"))
+
+
 def markdown(results: dict) -> str:
     cfg, mach = results["config"], results["machine"]
     rows = results["rows"]
@@ -138,7 +147,9 @@ def markdown(results: dict) -> str:
         f"- machine: {mach['processor']}, {mach['cpu_count']} CPUs, torch {mach['torch']}, "
         f"{mach['threads']} threads, device {mach['device']}{gpu}",
         f"- models: {cfg['model_size']} random configs; shapes at scale {cfg['scale']}; "
-        f"step `{cfg['step']}`, budget {cfg['budget_tokens'] or 'none (whole forest)'}; "
+        f"step `{cfg['step']}`, budget {_budget(cfg) or 'none (whole forest)'}, "
+        f"linear plan {_run(cfg).get('linear_plan', 'auto')}"
+        f"{', linear calls recomputed' if _run(cfg).get('recompute_linear') else ''}; "
         f"median of {cfg['repeats']} interleaved runs after {max(cfg['warmup'], 1)} warm-up",
         f"- FLOP model: {results['flop_model']}",
         f"- peak memory of one step: {'; '.join(memory) or 'not measured'} (see docs/benchmarks.md)",

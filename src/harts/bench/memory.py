@@ -50,7 +50,6 @@ page granularity (figures under about 1 MiB are noise), and the C allocator's re
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import itertools
 import multiprocessing as mp
@@ -67,7 +66,7 @@ __all__ = ["measure_peak", "tensor_peak_bytes"]
 _MMAP_THRESHOLD = "131072"
 # kineto prints a line to stderr at every profiler start and stop; 6 is above its highest level.
 _KINETO_LOG_LEVEL = "6"
-_MARK = "harts.bench_memory.measured_step"
+_MARK = "harts.bench.memory.measured_step"
 _CPU_TYPES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
 _CTX = None
 
@@ -179,11 +178,10 @@ def _cpu_peaks(fn: Callable[[], object], model) -> dict:
     return out
 
 
-def _probe(cfg_fields: dict, family: str, shape: str, variant: str, conn) -> None:
+def _probe(cfg, family: str, shape: str, variant: str, conn) -> None:
     try:
-        from harts.bench import BenchConfig, build_case, variant_fns
+        from harts.bench.cases import build_case, variant_fns
 
-        cfg = BenchConfig(**cfg_fields)
         torch.set_num_threads(cfg.threads)
         case = build_case(cfg, family, shape)
         fns, _ = variant_fns(case, cfg)
@@ -214,7 +212,7 @@ def _context():
         methods = mp.get_all_start_methods()
         _CTX = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
         if "forkserver" in methods:
-            _CTX.set_forkserver_preload(["harts.bench"])
+            _CTX.set_forkserver_preload(["harts.bench.cases"])
             # The server is started with this environment, and every child inherits it. A
             # KINETO_LOG_LEVEL the user set is kept.
             env = {
@@ -244,7 +242,7 @@ def measure_peak(cfg, family: str, shape: str, variant: str, timeout_s: float = 
     """
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_probe, args=(dataclasses.asdict(cfg), family, shape, variant, child))
+    proc = ctx.Process(target=_probe, args=(cfg, family, shape, variant, child))
     proc.start()
     child.close()
     try:

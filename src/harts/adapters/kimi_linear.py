@@ -1,0 +1,42 @@
+"""``kimi_linear``: KDA with low-rank forget and output gates; NoPE MLA with q-LoRA; sigmoid-routed
+MoE with a score-correction bias (no auxiliary loss)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, unknown_layer
+from harts.adapters.mixers import kda_mixer, mla_attention
+
+__all__ = ["KimiLinearAdapter"]
+
+
+class KimiLinearAdapter(FamilyAdapter):
+    model_types = ("kimi_linear",)
+    router_class = "KimiLinearTopkRouter"
+    moe_balancing = MoEBalancing.BIAS
+
+    def mixer(self, layer, layer_type):
+        if layer_type == "full_attention":
+            return layer.self_attn, partial(mla_attention, rope=False, head_gate=False)
+        if layer_type == "linear_attention":
+            return layer.self_attn, partial(
+                kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x))
+            )
+        raise unknown_layer("kimi_linear", layer_type)
+
+    def tiny_config(self, model_type, **overrides):
+        from transformers import KimiLinearConfig
+
+        fields = dict(
+            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        )  # fmt: skip
+        return KimiLinearConfig(**{**fields, **overrides})
+
+
+register(KimiLinearAdapter())

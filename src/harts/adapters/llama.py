@@ -1,0 +1,45 @@
+"""``qwen3`` and ``llama``: plain grouped-query attention with RoPE (qwen3 with q/k norms); dense
+MLPs."""
+
+from __future__ import annotations
+
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, register, unknown_layer
+from harts.adapters.mixers import gqa_attention
+
+__all__ = ["LlamaLikeAdapter"]
+
+
+class LlamaLikeAdapter(FamilyAdapter):
+    model_types = ("qwen3", "llama")
+
+    def check_config(self, config):
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(config, "layer_types", None) or []
+        ):
+            raise ValueError(f"{config.model_type}: sliding-window attention is not supported by harts yet")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") == "dynamic":
+            raise ValueError(
+                f"{config.model_type}: dynamic RoPE rescales by sequence length, "
+                "which differs per trajectory; "
+                "use a static rope_type"
+            )
+
+    def mixer(self, layer, layer_type):
+        if layer_type == "full_attention":
+            return layer.self_attn, gqa_attention
+        raise unknown_layer(type(layer).__name__, layer_type)
+
+    def tiny_config(self, model_type, **overrides):
+        from transformers import LlamaConfig, Qwen3Config
+
+        fields = dict(
+            TINY_COMMON, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0,
+        )  # fmt: skip
+        if model_type == "qwen3":
+            return Qwen3Config(**{**fields, "head_dim": 16, **overrides})
+        return LlamaConfig(**{**fields, **overrides})
+
+
+register(LlamaLikeAdapter())

@@ -1,0 +1,81 @@
+"""The execution knobs of a run, in one typed config.
+
+:class:`RunConfig` is accepted by :func:`harts.forward`, :func:`harts.forest_backward`,
+:func:`harts.rollout_step` and the benchmark. It says *how* a forest is computed, never *what*:
+every setting gives the same loss and gradients (up to floating-point summation order), only time
+and memory change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harts.ops.logprobs import DEFAULT_CHUNK_ROWS
+from harts.plan.micro_batches import DEFAULT_CONTEXT_WEIGHT
+from harts.plan.waves import LinearCostModel, PlanMode
+
+__all__ = ["RunConfig"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a forest is run.
+
+    - ``budget_tokens``: unique tokens per micro-batch (None: the whole forest at once). Trees that
+      fit are packed whole; larger trees are cut at node boundaries into balanced parts.
+    - ``context_weight``: what one context token (an ancestor read from an earlier part) counts
+      against the budget of a cut part, in [0, 1]; 0.25 by default (measured: a context row costs
+      about a fifth of a token's activations).
+    - ``linear_plan``: how linear-attention layers are cut into calls: ``auto`` (the cheaper under
+      ``cost_model``), ``depth`` (one call per depth level) or ``chain`` (fewest calls).
+    - ``cost_model``: the linear-call cost model (fitted on the CPU by default; refit on a GPU).
+    - ``chunk_rows``: loss rows per chunk of the output head, bounding the [rows, vocab] logits.
+    - ``recompute_linear``: linear-attention calls keep only their inputs for backward and run
+      again there (about 30% less activation memory, 7-28% more time on the hybrid configs).
+    """
+
+    budget_tokens: int | None = None
+    context_weight: float = DEFAULT_CONTEXT_WEIGHT
+    linear_plan: PlanMode = PlanMode.AUTO
+    cost_model: LinearCostModel = field(default_factory=LinearCostModel)
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    recompute_linear: bool = False
+
+    def __post_init__(self):
+        if self.budget_tokens is not None and (
+            isinstance(self.budget_tokens, bool)
+            or not isinstance(self.budget_tokens, int)
+            or self.budget_tokens < 1
+        ):
+            raise ValueError(f"budget_tokens must be a positive int or None, got {self.budget_tokens!r}")
+        if not 0.0 <= self.context_weight <= 1.0:
+            raise ValueError(f"context_weight must lie in [0, 1], got {self.context_weight}")
+        try:
+            object.__setattr__(self, "linear_plan", PlanMode(self.linear_plan))
+        except ValueError:
+            raise ValueError(
+                f"unknown linear_plan {self.linear_plan!r}; expected one of {[m.value for m in PlanMode]}"
+            ) from None
+        if not isinstance(self.cost_model, LinearCostModel):
+            raise TypeError(f"cost_model must be a LinearCostModel, got {type(self.cost_model).__name__}")
+        if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {self.chunk_rows!r}")
+
+    @staticmethod
+    def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:
+        """``run`` (default: ``RunConfig()``) with ``budget_tokens`` applied when given.
+
+        A budget given both ways must agree: two different budgets for one step are refused.
+        """
+        if run is None:
+            run = RunConfig()
+        elif not isinstance(run, RunConfig):
+            raise TypeError(f"run must be a harts.RunConfig, got {type(run).__name__}")
+        if budget_tokens is None:
+            return run
+        if run.budget_tokens is not None and run.budget_tokens != budget_tokens:
+            raise ValueError(
+                f"budget_tokens={budget_tokens} disagrees with "
+                f"run.budget_tokens={run.budget_tokens}: give one"
+            )
+        return RunConfig(**{**run.__dict__, "budget_tokens": budget_tokens})

@@ -1,0 +1,220 @@
+"""What crosses a micro-batch cut, and the context through which tree mixers reach the sequence.
+
+- :class:`LayerHandoff`: per layer, what one micro-batch hands to the later ones that continue
+  its paths (keys/values and conv inputs of tokens, final linear-attention states of nodes).
+- :class:`MixerContext`: the :class:`~harts.adapters.base.TreeOps` of one micro-batch. Mixers call
+  ``attend``, ``conv`` and ``delta_rule``; the context runs the ops over the micro-batch's layout,
+  reads what earlier micro-batches handed over and collects what this one hands on.
+- :class:`HandoffBanks`: the hand-overs of every part run so far, gathered into the rows a later
+  part reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts.ops.backends import current_backend
+from harts.ops.short_conv import tree_short_conv
+from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.plan.layout import TreeLayout
+
+__all__ = ["LayerHandoff", "MixerContext", "HandoffBanks"]
+
+
+@dataclass
+class LayerHandoff:
+    """What one layer hands from a micro-batch to the later ones that continue its paths.
+
+    - ``key`` / ``value`` [Hkv, X, d]: attention keys (after RoPE and norms) and values of tokens;
+    - ``conv_input`` [X, C]: short-convolution inputs of tokens;
+    - ``states``: {global node: final linear-attention state [H, K, V]}.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    conv_input: torch.Tensor | None = None
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for t in (self.key, self.value, self.conv_input) if t is not None]
+        return out + [self.states[n] for n in sorted(self.states)]
+
+
+class MixerContext:
+    """What a token mixer needs beyond its input, and the three sequence ops it calls.
+
+    ``layout`` describes the micro-batch; ``position_embeddings`` are the rotary cos/sin
+    [1, n, d] at path positions; ``layer`` is set by the executor before each layer.
+    ``external[layer]`` holds the context handed over by earlier micro-batches (key space rows
+    0..E-1 for keys/values and conv inputs; states of cut roots' parents); ``exports[layer]``
+    collects what this micro-batch hands on. Mixers never see either: they call
+    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`. ``recompute_linear``: linear-attention
+    calls keep only their inputs for backward and run again there (:func:`tree_gated_delta_rule`).
+    """
+
+    def __init__(
+        self,
+        layout: TreeLayout,
+        position_embeddings,
+        external: list[LayerHandoff] | None = None,
+        recompute_linear: bool = False,
+    ):
+        self.layout = layout
+        self.recompute_linear = recompute_linear
+        self.position_embeddings = position_embeddings
+        self.external = external
+        self.exports: list[LayerHandoff] = []
+        self.layer = -1
+
+    def begin_layer(self, index: int) -> None:
+        self.layer = index
+        self.exports.append(LayerHandoff())
+
+    def _ext(self) -> LayerHandoff | None:
+        return self.external[self.layer] if self.external is not None else None
+
+    def attend(self, query, key, value, scaling: float) -> torch.Tensor:
+        """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv]."""
+        key, value = key[0], value[0]
+        rows = self.layout.export_token_rows
+        if rows.numel():
+            self.exports[-1].key, self.exports[-1].value = key[:, rows], value[:, rows]
+        ext = self._ext()
+        if ext is not None and ext.key is not None:
+            key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
+        return current_backend().attention(query[0], key, value, self.layout.attention_plan, scaling)[None]
+
+    def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
+        """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
+        rows = self.layout.export_token_rows
+        if rows.numel():
+            self.exports[-1].conv_input = mixed[rows]
+        ext = self._ext()
+        if ext is not None and ext.conv_input is not None:
+            mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
+        return tree_short_conv(mixed, weight, self.layout.predecessors(weight.shape[-1]), bias)
+
+    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
+        ext = self._ext()
+        root_states = None
+        if ext is not None and self.layout.root_state_source:
+            root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
+        out, states = tree_gated_delta_rule(
+            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states,
+            recompute=self.recompute_linear,
+        )  # fmt: skip
+        for local, glob in self.layout.export_nodes:
+            # clone: a state is often a view of a whole call's stacked states, which would stay alive
+            self.exports[-1].states[glob] = states[local].clone()
+        return out
+
+
+class HandoffBanks:
+    """The hand-overs of a cut forest's parts, and the gradients later parts send back to them.
+
+    Part ``q`` exports the rows of its ``export_token_ids`` (keys/values and conv inputs, per
+    layer) and the final states of its ``export_nodes``. A later part reads some of those rows:
+    :meth:`gather` picks them from the few parts that produced them (by index, in the order of the
+    reader's ``external_tokens``), so its cost grows with the rows read, not with the number of
+    parts run so far. In backward, :meth:`send_back` adds a reader's leaf gradients to the
+    producers' export gradients, which :meth:`received` hands to the producer's own backward.
+    """
+
+    def __init__(self, layouts: list[TreeLayout], num_tokens: int):
+        self.layouts = layouts
+        sizes = [lay.export_token_ids.size for lay in layouts]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        # global token -> its row in the concatenation of every part's exports
+        self.export_row = np.full(num_tokens, -1, dtype=np.int64)
+        for q, lay in enumerate(layouts):
+            self.export_row[lay.export_token_ids] = self.offsets[q] + np.arange(sizes[q])
+        self.state_producer = {glob: q for q, lay in enumerate(layouts) for _, glob in lay.export_nodes}
+        self.exports: list[list[LayerHandoff] | None] = [None] * len(layouts)
+        self.grads: list[dict[tuple[int, str, int | None], torch.Tensor]] = [{} for _ in layouts]
+        self._sources: dict[
+            int, tuple[list[tuple[int, torch.Tensor, torch.Tensor]], torch.Tensor | None]
+        ] = {}
+
+    def put(self, part: int, exports: list[LayerHandoff]) -> None:
+        self.exports[part] = exports
+
+    def release(self, part: int) -> None:
+        """Drop a part's exports once every part that reads them is done."""
+        self.exports[part] = None
+
+    def sources(self, part: int):
+        """For the reader ``part``: ([(producer, positions in the reader's rows, rows in the producer)],
+        the permutation from producer order back to the reader's order, or None when already in order)."""
+        if part not in self._sources:
+            lay = self.layouts[part]
+            rows = self.export_row[lay.external_tokens]
+            if rows.size and rows.min() < 0:
+                raise AssertionError("a part reads a token no earlier part exports")
+            producer = np.searchsorted(self.offsets, rows, side="right") - 1
+            order = np.argsort(producer, kind="stable")
+            device = lay.device
+            groups = []
+            for q in np.unique(producer).tolist():
+                sel = np.flatnonzero(producer == q)
+                groups.append(
+                    (
+                        q,
+                        torch.as_tensor(sel, device=device),
+                        torch.as_tensor(rows[sel] - self.offsets[q], device=device),
+                    )
+                )
+            identity = bool((order == np.arange(order.size)).all())
+            inverse = None if identity else torch.as_tensor(np.argsort(order), device=device)
+            self._sources[part] = (groups, inverse)
+        return self._sources[part]
+
+    def gather(self, part: int, num_layers: int) -> list[LayerHandoff] | None:
+        """What ``part`` reads from earlier parts, per layer (None for a part without context)."""
+        lay = self.layouts[part]
+        if not lay.root_state_source:
+            return None
+        groups, inverse = self.sources(part)
+        nodes = sorted(set(lay.root_state_source.values()))
+        out = []
+        for layer in range(num_layers):
+            picked = {}
+            for name, dim in (("key", 1), ("value", 1), ("conv_input", 0)):
+                pieces = [
+                    getattr(self.exports[q][layer], name).index_select(dim, local)
+                    for q, _, local in groups
+                    if getattr(self.exports[q][layer], name) is not None
+                ]
+                if not pieces:
+                    picked[name] = None
+                    continue
+                joined = torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+                picked[name] = joined.index_select(dim, inverse) if inverse is not None else joined
+            held = ((n, self.exports[self.state_producer[n]][layer].states) for n in nodes)
+            states = {n: by_node[n] for n, by_node in held if n in by_node}  # linear layers only
+            out.append(LayerHandoff(states=states, **picked))
+        return out
+
+    def send_back(self, part: int, layer: int, name: str, node: int | None, grad: torch.Tensor) -> None:
+        """Add the gradient of a leaf of ``part`` (a gathered tensor or a state) to its producers."""
+        if name == "state":
+            q = self.state_producer[node]
+            key = (layer, name, node)
+            self.grads[q][key] = self.grads[q][key] + grad if key in self.grads[q] else grad
+            return
+        dim = 1 if name in ("key", "value") else 0
+        groups, _ = self.sources(part)
+        for q, sel, local in groups:
+            key = (layer, name, None)
+            if key not in self.grads[q]:
+                self.grads[q][key] = torch.zeros_like(getattr(self.exports[q][layer], name))
+            self.grads[q][key].index_add_(dim, local, grad.index_select(dim, sel))
+
+    def received(self, part: int) -> dict[tuple[int, str, int | None], torch.Tensor]:
+        """{(layer, "key" | "value" | "conv_input" | "state", node or None): gradient}: what later
+        parts sent back to ``part``'s exports; handed over once."""
+        grads, self.grads[part] = self.grads[part], {}
+        return grads

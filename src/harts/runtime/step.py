@@ -1,0 +1,314 @@
+"""Forward and backward of a whole forest under a micro-batch token budget.
+
+``forest_backward(model, forest, predictor, target, loss_fn, budget_tokens)`` accumulates into
+``.grad`` exactly the gradients of ``loss_fn(logprob [R], entropy [R])``, the loss of rows given
+by a predicting unique token and a target id, whatever the budget. It is the lower layer of
+:func:`harts.rollout_step` and the entry point for custom losses.
+
+Without a budget (or when the forest fits) it is one forward, the loss, one backward. With a
+budget the forest is cut into micro-batches (:mod:`harts.plan.micro_batches`) and run in three
+passes:
+
+1. forward of every part in order, without autograd, keeping what each part hands on (per layer:
+   keys/values and conv inputs of the tokens later parts read, final states of their parents)
+   and the row log-probs and entropies; the last part runs with autograd and keeps its graph;
+2. the loss on detached row log-probs, differentiated once: d loss / d logprob and d entropy,
+   so any objective works, including sequence-level ones whose rows span parts (GSPO);
+3. parts in reverse order: recompute the part's forward with autograd (all but the last), the
+   handed-over inputs as leaves, and run backward with the row gradients and the gradients that
+   later parts sent back to this part's exports injected
+   (``torch.autograd.backward(tensors, grad_tensors)``). The gradients of its leaves go back to
+   the parts that produced them (:class:`~harts.runtime.handoff.HandoffBanks`).
+
+Peak activation memory is one part's graph plus the handed-over tensors; the price is one extra
+forward of every part but the last (as with activation checkpointing). Recomputation is exact:
+the same ops on the same inputs.
+
+A :class:`PartObserver` sees every part's forward and may add a loss term to a part's backward:
+this is how the MoE load-balancing loss, a product of two means over the whole step, gets its
+exact gradient part by part (:mod:`harts.train.moe`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from harts.forest import Forest
+from harts.ops.logprobs import token_logprobs
+from harts.plan.layout import TreeLayout
+from harts.plan.micro_batches import plan_micro_batches
+from harts.runtime.config import RunConfig
+from harts.runtime.executor import check_inputs, layout_for, model_device, run_layout
+from harts.runtime.handoff import HandoffBanks, LayerHandoff
+
+__all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
+
+Tensor = torch.Tensor
+LossFn = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, dict[str, Tensor]]"]
+
+
+@dataclass
+class StepResult:
+    """What a step returns.
+
+    - ``loss``: detached 0-dim, the step's loss (with every term the step added, e.g. MoE aux).
+    - ``metrics``: detached 0-dim tensors (``compute_loss``'s for :func:`harts.rollout_step`, the
+      loss function's own when it returns ``(loss, metrics)``).
+    - ``moe``: :class:`~harts.objectives.moe.MoEStats` of the step when MoE statistics were asked for.
+    - ``logprob`` / ``entropy`` [R]: detached, per row.
+    - ``num_micro_batches``, ``num_cuts`` (parts reading context from an earlier part),
+      ``tokens_per_micro_batch``, ``layouts`` (plans, calls per linear layer, padding).
+    - ``timings``: seconds spent in ``plan`` (micro-batches, layouts, attention/linear/conv plans),
+      ``handoff`` (gathering handed-over rows and routing their gradients back) and ``total``.
+    """
+
+    loss: Tensor
+    logprob: Tensor
+    entropy: Tensor
+    num_micro_batches: int
+    num_cuts: int
+    tokens_per_micro_batch: list[int]
+    layouts: list[TreeLayout]
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    moe: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class PartObserver:
+    """Sees each part's forward; may add a scalar loss term to a part's backward.
+
+    ``before_part(p, layout, first)`` runs before part ``p``'s forward; ``after_part`` after it
+    and returns a 0-dim term to backpropagate with the part (or None). ``first`` is True on the
+    first forward of a part (each part runs once more in backward, except the last); ``grad`` is
+    True when the forward kept its graph. Every part's first forward has run before the first
+    ``after_part`` with ``grad`` True, so a term may use statistics of the whole step.
+    """
+
+    def before_part(self, part: int, layout: TreeLayout, first: bool) -> None:
+        pass
+
+    def after_part(self, part: int, layout: TreeLayout, first: bool, grad: bool) -> Tensor | None:
+        return None
+
+
+def next_token_rows(forest: Forest) -> tuple[Tensor, Tensor]:
+    """(predictor [R], target [R]) for every next-token prediction of every trajectory."""
+    indices = [forest.trajectory_token_indices(i) for i in range(forest.num_trajectories)]
+    predictor = torch.cat([idx[:-1] for idx in indices])
+    return predictor, forest.tokens[torch.cat([idx[1:] for idx in indices])]
+
+
+def _row_logprobs(model, hidden, local_predictor, target, chunk_rows):
+    unique, inverse = torch.unique(local_predictor, return_inverse=True)
+    head = model.lm_head
+    return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias, chunk_rows=chunk_rows)
+
+
+def _split_loss(value) -> tuple[Tensor, dict[str, Tensor]]:
+    if isinstance(value, tuple):
+        loss, metrics = value
+        return loss, dict(metrics)
+    return value, {}
+
+
+def _check_rows(forest: Forest, predictor, target, vocab_size: int) -> tuple[Tensor, Tensor]:
+    predictor = torch.as_tensor(predictor, dtype=torch.long)
+    target = torch.as_tensor(target, dtype=torch.long)
+    if predictor.shape != target.shape or predictor.dim() != 1:
+        raise ValueError(
+            f"predictor and target must both be [R], got {tuple(predictor.shape)}, {tuple(target.shape)}"
+        )
+    if predictor.numel() and (predictor.min() < 0 or predictor.max() >= forest.num_tokens):
+        raise ValueError(f"predictor indices must lie in [0, {forest.num_tokens})")
+    if target.numel() and (target.min() < 0 or target.max() >= vocab_size):
+        row = int(((target < 0) | (target >= vocab_size)).nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}: target token id {int(target[row])} is outside the model's vocabulary "
+            f"(vocab_size={vocab_size})"
+        )
+    return predictor.cpu(), target.cpu()
+
+
+@dataclass
+class _PartRun:
+    """What one part's forward leaves for its backward."""
+
+    exports: list[LayerHandoff]
+    logprob: Tensor | None
+    entropy: Tensor | None
+    leaves: list[tuple[int, str, int | None, Tensor]]  # (layer, name, state node, leaf)
+    extra: Tensor | None  # the observer's loss term
+
+
+class _Clock:
+    def __init__(self):
+        self.seconds: dict[str, float] = {"plan": 0.0, "handoff": 0.0}
+
+    def timed(self, key: str, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[key] += time.perf_counter() - start
+
+
+def forest_backward(
+    model: nn.Module,
+    forest: Forest,
+    predictor: Tensor,
+    target: Tensor,
+    loss_fn: LossFn,
+    budget_tokens: int | None = None,
+    *,
+    run: RunConfig | None = None,
+    observer: PartObserver | None = None,
+) -> StepResult:
+    """Accumulate into ``.grad`` the gradients of ``loss_fn(logprob, entropy)`` over rows.
+
+    ``predictor`` [R]: unique-token index (in ``forest``) of each row's predicting position;
+    ``target`` [R]: the token id it predicts. ``loss_fn`` returns a 0-dim loss, or
+    ``(loss, metrics)``. ``budget_tokens`` (or ``run.budget_tokens``) cuts the forest into
+    micro-batches; ``run`` holds the other execution knobs (:class:`~harts.runtime.config.RunConfig`).
+    Every check runs before any compute. Returns the loss, the row log-probs and entropies, and
+    what the plan did.
+    """
+    start = time.perf_counter()
+    run = RunConfig.resolve(run, budget_tokens)
+    observer = observer or PartObserver()
+    check_inputs(model, forest)
+    predictor, target = _check_rows(forest, predictor, target, model.config.vocab_size)
+    device = model_device(model)
+    clock = _Clock()
+
+    def plan_parts():
+        plan = plan_micro_batches(forest, run.budget_tokens, run.context_weight)
+        single = plan.num_micro_batches == 1
+        return plan, [layout_for(plan.forest, device, run, None if single else part) for part in plan.parts]
+
+    plan, layouts = clock.timed("plan", plan_parts)
+    sizes = [lay.num_tokens for lay in layouts]
+
+    def result(loss, metrics, logp, ent) -> StepResult:
+        plan_s = clock.seconds["plan"] + sum(lay.build_seconds for lay in layouts)
+        timings = {"plan": plan_s, "handoff": clock.seconds["handoff"], "total": time.perf_counter() - start}
+        return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes, layouts,
+                          {k: v.detach() for k, v in metrics.items()}, timings=timings)  # fmt: skip
+
+    if len(layouts) == 1:
+        observer.before_part(0, layouts[0], True)
+        hidden, _ = run_layout(model, layouts[0], recompute_linear=run.recompute_linear)
+        logp, ent = _row_logprobs(model, hidden, predictor.to(device), target.to(device), run.chunk_rows)
+        extra = observer.after_part(0, layouts[0], True, True)
+        loss, metrics = _split_loss(loss_fn(logp, ent))
+        (loss if extra is None else loss + extra).backward()
+        return result(loss, metrics, logp.detach(), ent.detach())
+
+    # rows of each part: those whose predicting token it holds
+    part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
+    local_index = np.empty(forest.num_tokens, dtype=np.int64)
+    for p, lay in enumerate(layouts):
+        part_of_token[lay.global_tokens] = p
+        local_index[lay.global_tokens] = np.arange(lay.global_tokens.size)
+    pred_np = predictor.numpy()
+    row_order = np.argsort(part_of_token[pred_np], kind="stable")
+    row_bounds = np.searchsorted(part_of_token[pred_np][row_order], np.arange(len(layouts) + 1))
+    row_parts = [row_order[row_bounds[p] : row_bounds[p + 1]] for p in range(len(layouts))]
+    num_layers = model.config.num_hidden_layers
+    banks = HandoffBanks(layouts, forest.num_tokens)
+
+    def forward_part(p: int, grad: bool, first: bool) -> _PartRun:
+        """Part ``p``'s forward and row log-probs; with ``grad``, its handed-over inputs become leaves."""
+        lay, rows = layouts[p], row_parts[p]
+        ext = clock.timed("handoff", banks.gather, p, num_layers)
+        leaves: list[tuple[int, str, int | None, Tensor]] = []
+        if grad and ext is not None:
+            for layer, h in enumerate(ext):
+                for name in ("key", "value", "conv_input"):
+                    t = getattr(h, name)
+                    if t is not None:
+                        leaf = t.detach().requires_grad_()
+                        setattr(h, name, leaf)
+                        leaves.append((layer, name, None, leaf))
+                for node in list(h.states):
+                    leaf = h.states[node].detach().requires_grad_()
+                    h.states[node] = leaf
+                    leaves.append((layer, "state", node, leaf))
+        lp = en = None
+        observer.before_part(p, lay, first)
+        with torch.set_grad_enabled(grad):
+            hidden, exports = run_layout(model, lay, ext, run.recompute_linear)
+            if rows.size:
+                local = torch.as_tensor(local_index[pred_np[rows]], device=device)
+                lp, en = _row_logprobs(model, hidden, local, target[rows].to(device), run.chunk_rows)
+        return _PartRun(exports, lp, en, leaves, observer.after_part(p, lay, first, grad))
+
+    # 1. forward of every part in order, without autograd except for the last part, whose graph
+    #    is kept for its backward right after the loss (no recompute for it)
+    logp = torch.empty(predictor.numel(), device=device)
+    ent = torch.empty(predictor.numel(), device=device)
+    last = len(layouts) - 1
+
+    def keep_rows(p: int, part_run: _PartRun) -> None:
+        rows = torch.as_tensor(row_parts[p], device=device)
+        if rows.numel():
+            logp[rows] = part_run.logprob.detach().to(logp.dtype)
+            ent[rows] = part_run.entropy.detach().to(ent.dtype)
+
+    for p in range(last):
+        part_run = forward_part(p, grad=False, first=True)
+        banks.put(p, part_run.exports)
+        keep_rows(p, part_run)
+    del part_run
+    kept = forward_part(last, grad=True, first=True)  # no part comes after it: its exports are not banked
+    keep_rows(last, kept)
+
+    # 2. the loss and its gradient with respect to the rows
+    logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
+    loss, metrics = _split_loss(loss_fn(logp_leaf, ent_leaf))
+    grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
+
+    # 3. backward, last part first (the others recomputed); gradients flow back through the banks
+    def backward_part(p: int, part_run: _PartRun) -> None:
+        """Run part ``p``'s backward and send its leaves' gradients back to the parts they came from.
+
+        A function, so that nothing of the part (graph outputs, leaves and their gradients, which are
+        often views of whole-layer gradient buffers) stays alive while the next part runs.
+        """
+        rows = torch.as_tensor(row_parts[p], device=device)
+        tensors, grads = [], []
+        if rows.numel():
+            for t, g in ((part_run.logprob, grad_logp), (part_run.entropy, grad_ent)):
+                if g is not None:
+                    tensors.append(t)
+                    grads.append(g[rows].to(t.dtype))
+        for (layer, name, node), g in clock.timed("handoff", banks.received, p).items():
+            h = part_run.exports[layer]
+            tensors.append(h.states[node] if name == "state" else getattr(h, name))
+            grads.append(g)
+        if part_run.extra is not None:
+            tensors.append(part_run.extra)
+            grads.append(torch.ones_like(part_run.extra))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+        def route():
+            for layer, name, node, leaf in part_run.leaves:
+                grad, leaf.grad = leaf.grad, None
+                if grad is not None:
+                    banks.send_back(p, layer, name, node, grad)
+
+        clock.timed("handoff", route)
+
+    backward_part(last, kept)
+    del kept
+    for p in range(last - 1, -1, -1):
+        backward_part(p, forward_part(p, grad=True, first=False))
+        banks.release(p)  # only later parts read a part's exports, and they are done
+    return result(loss, metrics, logp, ent)

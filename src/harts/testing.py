@@ -1,0 +1,36 @@
+"""Tiny randomly initialised models of every supported family, for tests, demos and benchmarks.
+
+Each family's tiny configuration lives with its adapter (:mod:`harts.adapters`); this module
+builds the stock Hugging Face model from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from harts.adapters import adapter_for_type
+
+__all__ = ["FAMILIES", "tiny_config", "tiny_model"]
+
+FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama")
+
+
+def tiny_config(family: str, **overrides):
+    """A toy configuration of ``family``; keyword arguments override any field."""
+    return adapter_for_type(family).tiny_config(family, **overrides)
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised tiny ``*ForCausalLM`` of ``family`` in eval mode (no dropout)."""
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    # grouped_mm (the default experts kernel) has no fp64 path; fp64 references use the eager loop.
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    # Router score-correction biases start at zero; make them non-trivial so their use is tested.
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.uniform_(-0.05, 0.05)
+    return model.eval()

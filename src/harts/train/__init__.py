@@ -1,0 +1,6 @@
+"""The training API: one step over rollouts or a forest, built on :mod:`harts.runtime`."""
+
+from harts.train.moe import MoEObserver, moe_stats
+from harts.train.step import forest_step, rollout_step
+
+__all__ = ["rollout_step", "forest_step", "moe_stats", "MoEObserver"]

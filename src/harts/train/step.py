@@ -1,0 +1,179 @@
+"""One training step: forward and backward of any objective over a forest, under a token budget.
+
+::
+
+    rollout_step: validate_rollouts -> build_forest -> build_loss_rows -> forest_step
+    forest_step:  checks (before any compute) -> forest_backward with
+                  loss_fn = compute_loss(logprob, entropy, rows, config, normalizers)
+                  (+ MoE statistics and the load-balancing loss, part by part, when asked)
+
+Gradients accumulate into ``.grad``; the result holds the detached loss, the metrics, the MoE
+statistics and what the plan did (:class:`~harts.runtime.step.StepResult`). Every budget gives
+the loss, metrics, MoE statistics and gradients of no budget. ``share_prefixes=False`` runs the
+flat layout (each trajectory its own root) through the same code: the baseline.
+
+Every check that can fail (annotations the objective needs, Dr. GRPO's constant, rows that do
+not belong to the forest, MoE options the model cannot honour, token ids outside the vocabulary)
+runs before the model does.
+
+What this leaves out: advantage estimation (give the rollouts advantages, or rows from
+``estimate_advantages``) and the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from harts.forest import Forest, build_forest
+from harts.objectives.losses import (
+    Aggregation,
+    LossKind,
+    Normalizers,
+    PolicyLossConfig,
+    compute_loss,
+    normalizers_for,
+)
+from harts.objectives.moe import MoEConfig
+from harts.objectives.rollout import Rollout, validate_rollouts
+from harts.objectives.rows import LossRows, build_loss_rows
+from harts.runtime.config import RunConfig
+from harts.runtime.executor import check_inputs, model_device
+from harts.runtime.routers import RouterRecorder
+from harts.runtime.step import StepResult, forest_backward
+from harts.train.moe import MoEObserver, resolve_aux_coef
+
+__all__ = ["rollout_step", "forest_step"]
+
+Tensor = torch.Tensor
+
+
+def _check_inputs(
+    forest: Forest, rows: LossRows, config: PolicyLossConfig, normalizers: Normalizers, old_logprob
+) -> None:
+    """What compute_loss would refuse after the forward, refused before it."""
+    if not isinstance(forest, Forest):
+        raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
+    if not isinstance(rows, LossRows):
+        raise TypeError(f"expected LossRows (see build_loss_rows), got {type(rows).__name__}")
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
+    if not isinstance(normalizers, Normalizers):
+        raise TypeError(f"expected Normalizers (see normalizers_for), got {type(normalizers).__name__}")
+    if rows.num_trajectories != forest.num_trajectories:
+        raise ValueError(
+            f"the rows have {rows.num_trajectories} trajectories but the forest has {forest.num_trajectories}"
+        )
+    if rows.num_rows:
+        index = rows.target_index.cpu()
+        if int(index.max()) >= forest.num_tokens or not torch.equal(forest.tokens[index], rows.target.cpu()):
+            raise ValueError("the rows were not built on this forest (build_loss_rows(forest, rollouts))")
+    if old_logprob is not None and tuple(old_logprob.shape) != (rows.num_rows,):
+        raise ValueError(
+            f"old_logprob must have shape [R] = ({rows.num_rows},), got {tuple(old_logprob.shape)}"
+        )
+    if config.kind is not LossKind.SFT:
+        if not rows.has_advantage:
+            raise ValueError(f"{config.kind} needs advantages: give the rollouts advantages or use "
+                             f"estimate_advantages")  # fmt: skip
+        if old_logprob is None and not rows.has_rollout_logprob:
+            raise ValueError(
+                f"{config.kind} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs "
+                f"or pass old_logprob"
+            )
+    if config.kl_coef > 0 and not rows.has_ref_logprob:
+        raise ValueError("kl_coef > 0 needs reference log-probs: give the rollouts ref_logprobs")
+    if config.aggregation is Aggregation.SEQ_MEAN_TOKEN_SUM_NORM and normalizers.max_length is None:
+        raise ValueError(
+            "seq-mean-token-sum-norm needs Dr. GRPO's constant: pass normalizers_for(rows, max_length=...)"
+        )
+
+
+def forest_step(
+    model: nn.Module,
+    forest: Forest,
+    rows: LossRows,
+    config: PolicyLossConfig,
+    *,
+    normalizers: Normalizers | None = None,
+    budget_tokens: int | None = None,
+    run: RunConfig | None = None,
+    moe: MoEConfig | None = None,
+    old_logprob: Tensor | None = None,
+) -> StepResult:
+    """Forward and backward of ``config``'s loss over ``rows`` of ``forest``; gradients into ``.grad``.
+
+    ``rows`` must be ``build_loss_rows(forest, rollouts)`` (possibly with advantages from
+    ``estimate_advantages``). ``normalizers`` are the counts of the whole optimizer step
+    (``normalizers_for`` over all its batches), so the losses of a step's batches add up to the
+    step's loss; None means this batch is the whole step. ``old_logprob`` [R] replaces the rollout
+    log-probs (see ``compute_loss``). ``budget_tokens`` (or ``run.budget_tokens``) bounds the
+    unique tokens per micro-batch. ``moe``: record the routers, return :class:`MoEStats` in the
+    result and add the load-balancing loss (see :class:`MoEConfig`).
+    """
+    run = RunConfig.resolve(run, budget_tokens)
+    if normalizers is None:
+        if isinstance(rows, LossRows):
+            normalizers = normalizers_for(rows)
+    _check_inputs(forest, rows, config, normalizers, old_logprob)
+    check_inputs(model, forest)
+    aux_coef = resolve_aux_coef(moe, model) if moe is not None else 0.0
+    device = model_device(model)
+    if rows.device != device:
+        rows = rows.to(device)
+    if old_logprob is not None:
+        old_logprob = old_logprob.to(device)
+
+    def loss_fn(logprob, entropy):
+        return compute_loss(logprob, entropy, rows, config, normalizers, old_logprob)
+
+    recorder = RouterRecorder(model) if moe is not None else None
+    observer = MoEObserver(recorder, aux_coef) if recorder is not None else None
+    with recorder if recorder is not None else nullcontext():
+        result = forest_backward(
+            model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer
+        )
+    if observer is not None:
+        result.moe = stats = observer.stats()
+        if stats.aux_loss is not None:
+            result.metrics["moe_aux_loss"] = stats.aux_loss.detach()
+            if aux_coef > 0:
+                result.loss = result.loss + aux_coef * stats.aux_loss.detach().to(result.loss.dtype)
+                result.metrics["loss"] = result.loss
+    return result
+
+
+def rollout_step(
+    model: nn.Module,
+    rollouts: Sequence[Rollout],
+    config: PolicyLossConfig,
+    *,
+    budget_tokens: int | None = None,
+    share_prefixes: bool = True,
+    normalizers: Normalizers | None = None,
+    run: RunConfig | None = None,
+    moe: MoEConfig | None = None,
+) -> StepResult:
+    """One training step on a batch of rollouts: forward and backward, gradients into ``.grad``.
+
+    Validates the rollouts (against the model's vocabulary), the config's needs and the MoE
+    options before any compute, builds the forest (``share_prefixes=False`` gives the flat
+    layout) and the rows, and runs :func:`forest_step`. ``normalizers`` None means this batch is
+    the whole step (Dr. GRPO's aggregation then needs explicit normalisers with ``max_length``).
+    ``budget_tokens`` bounds the unique tokens per micro-batch; ``run`` holds the other execution
+    knobs (:class:`~harts.runtime.config.RunConfig`). Returns a
+    :class:`~harts.runtime.step.StepResult`: the detached loss, metrics, MoE statistics
+    (``moe=MoEConfig()``), row log-probs and the plan.
+    """
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
+    if moe is not None:
+        resolve_aux_coef(moe, model)
+    run = RunConfig.resolve(run, budget_tokens)
+    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
+    forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
+    rows = build_loss_rows(forest, rollouts)
+    return forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)

@@ -1,0 +1,111 @@
+"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train; objectives pure.
+
+Each harts module belongs to a layer and may import only its own and lower layers (read from the
+source with ``ast``, so imports inside functions count too). Objectives see the forest and
+nothing that runs a model. The tools on top (benchmarks, demo, command line, the package's
+public API) may import anything. A failure names the module and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import harts
+
+SRC = Path(harts.__file__).parent
+# layer -> the layers it may import (its own included)
+ALLOWED = {
+    "forest": {"forest"},
+    "data": {"data"},
+    "objectives": {"forest", "objectives"},
+    "plan": {"forest", "plan"},
+    "ops": {"forest", "plan", "ops"},
+    "adapters": {"forest", "plan", "ops", "adapters"},
+    "runtime": {"forest", "plan", "ops", "adapters", "runtime"},
+    "train": {"forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
+    "testing": {"adapters", "testing"},
+}
+TOOLS = {"bench", "demo", "cli", "__init__"}
+
+
+def layer_of(module: str) -> str:
+    """``harts.plan.layout`` -> ``plan``; ``harts`` itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def harts_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "harts"]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "harts"
+        ):
+            if node.module == "harts":  # from harts import x: x is a subpackage or a re-export
+                found += [f"harts.{a.name}" if (SRC / a.name).exists() or (SRC / f"{a.name}.py").exists()
+                          else "harts" for a in node.names]  # fmt: skip
+            else:
+                found.append(node.module)
+    return found
+
+
+def modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        yield name, path
+
+
+def test_every_module_has_a_layer():
+    unknown = {layer_of(m) for m, _ in modules()} - set(ALLOWED) - TOOLS
+    assert not unknown, f"modules outside every layer: {sorted(unknown)}"
+
+
+def test_imports_run_one_way():
+    upward = []
+    for name, path in modules():
+        layer = layer_of(name)
+        if layer in TOOLS:
+            continue
+        for target in harts_imports(path):
+            if layer_of(target) not in ALLOWED[layer]:
+                upward.append(f"{name} imports {target}")
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles_between_modules():
+    graph = {name: set() for name, _ in modules()}
+    for name, path in modules():
+        for target in harts_imports(path):
+            # "harts.x.y" may name a function re-exported by a package: keep the longest module prefix
+            while target not in graph and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in graph and target != name and layer_of(name) not in TOOLS:
+                graph[name].add(target)
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The check can fail: an ops module importing the runtime is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from harts.runtime.step import forest_backward\n")
+    assert harts_imports(bad) == ["harts.runtime.step"]
+    assert layer_of("harts.runtime.step") not in ALLOWED["ops"]
