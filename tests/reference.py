@@ -124,20 +124,24 @@ def exact_linear_kernels(model):
             setattr(module, name, fn)
 
 
-_FP64: dict[int, torch.nn.Module] = {}
+# id(model) -> (model, its fp64 copy): holding the model keeps its id from being reused
+_FP64: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
 
 
-def fp64_copy(model):
-    """The same weights in an fp64 model of the same class (cached per model object)."""
+def fp64_copy(model, cache: bool = True):
+    """The same weights in an fp64 model of the same class (cached per model object unless
+    ``cache`` is False: a test that changes the copy must not share it)."""
     key = id(model)
-    if key not in _FP64:
+    if not cache or key not in _FP64:
         config = model.config.__class__.from_dict(model.config.to_dict())
         from transformers import AutoModelForCausalLM
 
         copy = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager")
         copy.load_state_dict(model.state_dict())
-        _FP64[key] = copy.eval()
-    return _FP64[key]
+        if not cache:
+            return copy.eval()
+        _FP64[key] = (model, copy.eval())
+    return _FP64[key][1]
 
 
 def functional_weights(trajectories, vocab: int, seed: int = 1234) -> list[torch.Tensor]:

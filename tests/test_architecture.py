@@ -1,5 +1,8 @@
 """Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train; objectives pure.
 
+``batch_layout`` (where trajectories sit in padded or packed tensors) sits with the forest, below
+everything.
+
 Each harts module belongs to a layer and may import only its own and lower layers (read from the
 source with ``ast``, so imports inside functions count too). Objectives see the forest and
 nothing that runs a model. The tools on top (benchmarks, demo, command line, the package's
@@ -16,14 +19,15 @@ import harts
 SRC = Path(harts.__file__).parent
 # layer -> the layers it may import (its own included)
 ALLOWED = {
-    "forest": {"forest"},
+    "batch_layout": {"batch_layout"},
+    "forest": {"batch_layout", "forest"},
     "data": {"data"},
-    "objectives": {"forest", "objectives"},
-    "plan": {"forest", "plan"},
-    "ops": {"forest", "plan", "ops"},
-    "adapters": {"forest", "plan", "ops", "adapters"},
-    "runtime": {"forest", "plan", "ops", "adapters", "runtime"},
-    "train": {"forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
+    "objectives": {"batch_layout", "forest", "objectives"},
+    "plan": {"batch_layout", "forest", "plan"},
+    "ops": {"batch_layout", "forest", "plan", "ops"},
+    "adapters": {"batch_layout", "forest", "plan", "ops", "adapters"},
+    "runtime": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime"},
+    "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
     "testing": {"adapters", "testing"},
 }
 TOOLS = {"bench", "demo", "cli", "__init__"}

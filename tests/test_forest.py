@@ -298,11 +298,14 @@ def test_star_shape_layout():
     assert f.token_position.tolist() == [0, 1, 2, 3, 3, 4, 3]
 
 
-def test_two_dimensional_batch_is_rows():
+def test_two_dimensional_batch_needs_its_mask():
     batch = np.array([[1, 2, 3], [1, 2, 4]], dtype=np.int64)
-    f = build_forest(batch)
+    with pytest.raises(ValueError, match="pass attention_mask"):
+        build_forest(batch)  # the padding of a [B, L] tensor cannot be told from its tokens
+    f = build_forest(batch, attention_mask=np.ones_like(batch))
     check_all(batch.tolist(), f)
     assert f.num_tokens == 4
+    assert build_forest(list(batch)).num_tokens == 4  # a list of rows is a list of trajectories
 
 
 def test_trajectory_index_out_of_range():

@@ -79,3 +79,43 @@ def test_flat_layout_matches_tree(model):
         assert flat.hidden_states.shape[0] == sum(map(len, trajs))
         for i in range(len(trajs)):
             assert (tree.trajectory_logits(i) - flat.trajectory_logits(i)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["depth", "chain", "auto"])
+def test_run_config_plans_change_calls_not_results(model, mode):
+    trajs = [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 10, 11, 12, 13], [4, 5, 6, 7, 20, 21]]
+    forest = harts.build_forest(trajs)
+    run = harts.RunConfig(linear_plan=mode, chunk_rows=2)
+    with torch.no_grad():
+        ref = harts.forward(model, forest)
+        out = harts.forward(model, forest, run)
+        assert out.layout.linear_plan.mode.value == mode or mode == "auto"
+        for i in range(len(trajs)):
+            assert (out.trajectory_logits(i) - ref.trajectory_logits(i)).abs().max() <= 1e-5
+        got, want = torch.cat(out.all_trajectory_logprobs()), torch.cat(ref.all_trajectory_logprobs())
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_run_config_refuses_bad_settings(model):
+    for kwargs, match in [
+        (dict(budget_tokens=0), "budget_tokens"),
+        (dict(budget_tokens=2.5), "budget_tokens"),
+        (dict(context_weight=1.5), "context_weight"),
+        (dict(linear_plan="fastest"), "unknown linear_plan"),
+        (dict(chunk_rows=0), "chunk_rows"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            harts.RunConfig(**kwargs)
+    with pytest.raises(TypeError, match="LinearCostModel"):
+        harts.RunConfig(cost_model={"call_cost": 1.0})
+    with pytest.raises(ValueError, match="forest_backward or harts.rollout_step"):
+        harts.forward(model, harts.build_forest([[1, 2]]), harts.RunConfig(budget_tokens=4))
+    with pytest.raises(TypeError, match="RunConfig"):
+        harts.forward(model, harts.build_forest([[1, 2]]), {"budget_tokens": 4})
+
+
+def test_public_api_exports_what_its_functions_take_and_return():
+    for name in ("Rollout", "PolicyLossConfig", "Normalizers", "LossRows", "RunConfig", "StepResult",
+                 "MoEConfig", "MoEStats", "MicroBatchPlan", "Part", "TreeOutput", "PlanMode"):  # fmt: skip
+        assert name in harts.__all__ and hasattr(harts, name), name
+    assert not [n for n in harts.__all__ if not hasattr(harts, n)]

@@ -9,6 +9,7 @@ batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows
 """
 
 from harts.adapters import supported_families
+from harts.batch_layout import BatchLayout
 from harts.forest import Forest, build_forest
 from harts.objectives import (
     ADVANTAGE_ESTIMATORS,
@@ -25,6 +26,7 @@ from harts.objectives import (
     build_loss_rows,
     estimate_advantages,
     normalizers_for,
+    rollouts_from_batch,
     with_advantages,
 )
 from harts.plan.micro_batches import MicroBatchPlan, Part, plan_micro_batches
@@ -43,7 +45,8 @@ from harts.train import forest_step, moe_stats, rollout_step
 
 __all__ = [
     # forests and plans
-    "Forest", "build_forest", "plan_micro_batches", "MicroBatchPlan", "Part",
+    "Forest", "build_forest", "BatchLayout", "rollouts_from_batch",
+    "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
     # one step

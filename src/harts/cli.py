@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "one tree step vs one flat step on a small Ling 3 model (harts.demo)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
     "bench-overhead": "time outside model compute in a budgeted step, 1M-token forest (harts.bench.overhead)",
+    "bench-checkpointing": "memory and time with gradient checkpointing (harts.bench.checkpointing)",
 }
 
 
@@ -29,8 +30,10 @@ def main(argv: list[str] | None = None) -> None:
         from harts.demo import main as run
     elif args.command == "bench":
         from harts.bench.run import main as run
-    else:
+    elif args.command == "bench-overhead":
         from harts.bench.overhead import main as run
+    else:
+        from harts.bench.checkpointing import main as run
     run(rest)
 
 

@@ -31,6 +31,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from harts.batch_layout import BatchLayout, batch_layout
+
 __all__ = ["Forest", "build_forest", "as_token_array", "concat_ranges", "node_depth_and_subtree_end"]
 
 
@@ -118,6 +120,8 @@ class Forest:
     trajectory_length: torch.Tensor
     node_trajectory: torch.Tensor
     shares_prefixes: bool = True
+    #: where each trajectory sat in the padded or packed batch it was built from (None for lists)
+    batch_layout: BatchLayout | None = None
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -303,16 +307,36 @@ def node_depth_and_subtree_end(parent: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.asarray(depth, dtype=np.int64), np.asarray(end, dtype=np.int64)
 
 
-def build_forest(trajectories, share_prefixes: bool = True) -> Forest:
+def build_forest(
+    trajectories,
+    share_prefixes: bool = True,
+    *,
+    attention_mask=None,
+    cu_seqlens=None,
+    position_ids=None,
+) -> Forest:
     """Merge token sequences by common prefix into a :class:`Forest`.
 
     ``trajectories``: a non-empty sequence of token-id sequences (lists, tuples, numpy or torch
-    integer arrays). Identical trajectories stay separate trajectories that end at the same node
-    (multiplicity 2). A trajectory that is a prefix of another ends at an internal node.
-    With ``share_prefixes=False`` every trajectory is its own root node (the flat layout).
+    integer arrays); or a padded batch, ``input_ids`` [B, L] with ``attention_mask`` [B, L] (left
+    or right padding; pad tokens are dropped); or a packed batch, ``input_ids`` [T] or [1, T]
+    with ``cu_seqlens`` or ``position_ids`` (:mod:`harts.batch_layout`). A 2-D tensor without a
+    mask is refused: its padding cannot be told from tokens. Identical trajectories stay
+    separate trajectories that end at the same node (multiplicity 2). A trajectory that is a
+    prefix of another ends at an internal node. With ``share_prefixes=False`` every trajectory
+    is its own root node (the flat layout).
     """
-    if isinstance(trajectories, (torch.Tensor, np.ndarray)) and trajectories.ndim == 2:
-        trajectories = list(trajectories)
+    layout = None
+    is_array = isinstance(trajectories, (torch.Tensor, np.ndarray))
+    if is_array and (
+        trajectories.ndim == 2 or any(x is not None for x in (attention_mask, cu_seqlens, position_ids))
+    ):
+        layout = batch_layout(trajectories, attention_mask, cu_seqlens, position_ids)
+        trajectories = layout.split(trajectories, "input_ids")
+    elif any(x is not None for x in (attention_mask, cu_seqlens, position_ids)):
+        raise TypeError(
+            "attention_mask, cu_seqlens and position_ids describe a tensor of input_ids, not a list"
+        )
     if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
         raise TypeError(f"expected a sequence of trajectories, got {type(trajectories).__name__}")
     if len(trajectories) == 0:
@@ -415,4 +439,5 @@ def build_forest(trajectories, share_prefixes: bool = True) -> Forest:
         trajectory_length=torch.from_numpy(lengths),
         node_trajectory=torch.from_numpy(order[node_chain]),
         shares_prefixes=share_prefixes,
+        batch_layout=layout,
     )

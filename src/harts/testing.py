@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from harts.adapters import adapter_for_type
+from harts.adapters import adapter_for_type, supported_families
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model"]
+__all__ = ["ALL_FAMILIES", "FAMILIES", "tiny_config", "tiny_model"]
 
-FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama")
+ALL_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama")
+#: the families the installed transformers has, in the order above
+FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())
 
 
 def tiny_config(family: str, **overrides):

@@ -18,6 +18,7 @@ and a tiny configuration for tests and demos. Mixers reach the sequence only thr
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -34,6 +35,7 @@ __all__ = [
     "adapter_for",
     "supported_families",
     "adapter_for_type",
+    "FamilyUnavailable",
     "hf_function",
 ]
 
@@ -81,7 +83,8 @@ class FamilyAdapter:
     moe_balancing: MoEBalancing | None = None
 
     def check_config(self, config) -> None:
-        """Raise ValueError for configurations the adapter cannot run exactly."""
+        """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
+        every family shares, :func:`check_common_config`)."""
 
     def backbone(self, model: nn.Module) -> nn.Module:
         return model.model
@@ -116,20 +119,45 @@ def unknown_layer(family: str, layer_type: str) -> ValueError:
 
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
+_UNAVAILABLE: set[str] = set()  # families harts has an adapter for but the installed transformers lacks
+
+
+class FamilyUnavailable(ValueError):
+    """A family harts supports that the installed transformers does not have."""
+
+
+def _transformers_has(model_type: str) -> bool:
+    return importlib.util.find_spec(f"transformers.models.{model_type}") is not None
 
 
 def register(adapter: FamilyAdapter) -> FamilyAdapter:
+    """Register ``adapter`` for each of its model types that the installed transformers has."""
     for name in adapter.model_types:
-        _REGISTRY[name] = adapter
+        if _transformers_has(name):
+            _REGISTRY[name] = adapter
+        else:
+            _UNAVAILABLE.add(name)
     return adapter
 
 
 def supported_families() -> list[str]:
+    """The families this installation runs (those of harts' adapters that transformers has)."""
     return sorted(_REGISTRY)
+
+
+def _unavailable(model_type: str) -> FamilyUnavailable:
+    import transformers
+
+    return FamilyUnavailable(
+        f"{model_type} is not in the installed transformers {transformers.__version__}; "
+        f"install a version that has it (see the README's supported range)"
+    )
 
 
 def adapter_for_type(model_type: str) -> FamilyAdapter:
     """The adapter registered for ``model_type``; ValueError naming the supported families."""
+    if model_type in _UNAVAILABLE:
+        raise _unavailable(model_type)
     if model_type not in _REGISTRY:
         raise ValueError(f"unknown family {model_type!r}; harts supports: {', '.join(supported_families())}")
     return _REGISTRY[model_type]
@@ -149,8 +177,39 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"got {type(model).__name__}"
         )
     adapter = _REGISTRY[model_type]
+    check_common_config(config)
     adapter.check_config(config)
     return adapter
+
+
+# Rotary types whose tables depend only on the position, not on the sequence's length: a token's
+# rotation is then the same in the forest as in its trajectory alone.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+def check_common_config(config) -> None:
+    """Options no family runs exactly over a forest: sliding windows, length-dependent rotary
+    scaling, unknown rotary types, logit soft-capping. One line naming the option."""
+    family = config.model_type
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or []
+    ):
+        raise ValueError(f"{family}: sliding-window attention is not supported by harts yet")
+    rope = getattr(config, "rope_parameters", None) or {}
+    types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else set()
+    types |= {v.get("rope_type", "default") for v in rope.values() if isinstance(v, dict)}
+    for rope_type in types:
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"{family}: rope_type {rope_type!r} rescales by sequence length, which differs per "
+                f"trajectory; use a static rope_type ({', '.join(STATIC_ROPE_TYPES)})"
+            )
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(
+                f"{family}: unknown rope_type {rope_type!r}; harts runs {', '.join(STATIC_ROPE_TYPES)}"
+            )
+    if getattr(config, "final_logit_softcapping", None):
+        raise ValueError(f"{family}: final_logit_softcapping is applied outside lm_head; not supported")
 
 
 def hf_function(module: nn.Module, name: str):

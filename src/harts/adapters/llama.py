@@ -12,19 +12,6 @@ __all__ = ["LlamaLikeAdapter"]
 class LlamaLikeAdapter(FamilyAdapter):
     model_types = ("qwen3", "llama")
 
-    def check_config(self, config):
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-            getattr(config, "layer_types", None) or []
-        ):
-            raise ValueError(f"{config.model_type}: sliding-window attention is not supported by harts yet")
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") == "dynamic":
-            raise ValueError(
-                f"{config.model_type}: dynamic RoPE rescales by sequence length, "
-                "which differs per trajectory; "
-                "use a static rope_type"
-            )
-
     def mixer(self, layer, layer_type):
         if layer_type == "full_attention":
             return layer.self_attn, gqa_attention

@@ -6,5 +6,6 @@
 - :mod:`harts.bench.memory`: tensor and resident-set peaks in child processes;
 - :mod:`harts.bench.peers`: PrefixGrouper and flash-pref on their one-prefix shape;
 - :mod:`harts.bench.report`: Markdown, JSON and the plot;
-- :mod:`harts.bench.overhead`: time outside model compute in a budgeted step on a large forest.
+- :mod:`harts.bench.overhead`: time outside model compute in a budgeted step on a large forest;
+- :mod:`harts.bench.checkpointing`: saved activations, peak and time with gradient checkpointing.
 """

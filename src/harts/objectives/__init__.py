@@ -46,11 +46,17 @@ from harts.objectives.moe import (
     load_balancing_loss,
     routing_sums,
 )
-from harts.objectives.rollout import CheckedRollout, Rollout, validate_rollouts
+from harts.objectives.rollout import (
+    BatchRollouts,
+    CheckedRollout,
+    Rollout,
+    rollouts_from_batch,
+    validate_rollouts,
+)
 from harts.objectives.rows import LossRows, build_loss_rows, unique_predictors
 
 __all__ = [
-    "Rollout", "CheckedRollout", "validate_rollouts",
+    "Rollout", "CheckedRollout", "validate_rollouts", "BatchRollouts", "rollouts_from_batch",
     "LossRows", "build_loss_rows", "unique_predictors",
     "Aggregation", "Normalizers", "normalizers_for", "aggregate",
     "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",

@@ -275,6 +275,9 @@ class PolicyLossConfig:
     ``clip_low`` / ``clip_high`` None take the kind's defaults (PPO 0.2 / 0.2, GSPO 3e-4 / 4e-4);
     ``dual_clip`` applies to PPO only. ``kl_coef`` scales ``kl_estimator`` against the reference
     log-probs; ``entropy_coef`` scales the entropy bonus. All terms share ``aggregation``.
+    ``temperature`` T: the policy is ``softmax(logits / T)``, the distribution an inference engine
+    sampling at T drew the rollouts from (verl and TRL divide the logits by the rollout
+    temperature the same way); log-probs, ratios, KL and entropy all use it.
     """
 
     kind: LossKind = LossKind.PPO
@@ -285,8 +288,11 @@ class PolicyLossConfig:
     kl_estimator: KLEstimator = KLEstimator.K3
     entropy_coef: float = 0.0
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
+    temperature: float = 1.0
 
     def __post_init__(self):
+        if isinstance(self.temperature, bool) or not (0 < float(self.temperature) < float("inf")):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
         for name, enum in (("kind", LossKind), ("kl_estimator", KLEstimator), ("aggregation", Aggregation)):
             object.__setattr__(self, name, enum(getattr(self, name)))
         if self.dual_clip is not None and self.kind is not LossKind.PPO:

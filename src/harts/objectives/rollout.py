@@ -32,9 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from harts.batch_layout import BatchLayout, batch_layout
 from harts.forest import as_token_array
 
-__all__ = ["Rollout", "CheckedRollout", "validate_rollouts", "LOGPROB_SLACK"]
+__all__ = [
+    "Rollout",
+    "CheckedRollout",
+    "validate_rollouts",
+    "LOGPROB_SLACK",
+    "BatchRollouts",
+    "rollouts_from_batch",
+]
 
 # Samplers compute log_softmax in low precision; a log-prob this far above 0 is rounding, not a bug.
 LOGPROB_SLACK = 1e-6
@@ -235,3 +243,53 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
                 f"a batch the same annotations"
             )
     return checked
+
+
+class BatchRollouts(list):
+    """A list of :class:`Rollout` made from a padded or packed batch; ``layout`` says where each
+    trajectory's tokens sat, for results in the caller's layout (``StepResult.to_batch``)."""
+
+    def __init__(self, rollouts, layout: BatchLayout):
+        super().__init__(rollouts)
+        self.layout = layout
+
+
+def rollouts_from_batch(
+    input_ids,
+    attention_mask=None,
+    *,
+    cu_seqlens=None,
+    position_ids=None,
+    loss_mask=None,
+    rollout_logprobs=None,
+    ref_logprobs=None,
+    advantages=None,
+    rewards=None,
+    group_ids=None,
+) -> BatchRollouts:
+    """Rollouts from a padded batch (``input_ids`` [B, L] and ``attention_mask``) or a packed one
+    (``input_ids`` [T] or [1, T] and ``cu_seqlens`` or ``position_ids``).
+
+    Per-token annotations (``loss_mask``, e.g. verl's response mask over the whole sequence;
+    ``rollout_logprobs``; ``ref_logprobs``; ``advantages``) have the shape of ``input_ids``: each
+    trajectory takes its own tokens' values, padding is dropped. Per-trajectory ``rewards`` and
+    ``group_ids`` have one entry per trajectory. A 2-D ``input_ids`` without a mask is refused.
+    """
+    layout = batch_layout(input_ids, attention_mask, cu_seqlens, position_ids)
+    tokens = layout.split(input_ids, "input_ids")
+    per_token = {"loss_mask": loss_mask, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
+                 "advantages": advantages}  # fmt: skip
+    split = {name: layout.split(v, name) for name, v in per_token.items() if v is not None}
+    n = layout.num_trajectories
+    for name, values in (("rewards", rewards), ("group_ids", group_ids)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} entries for {n} trajectories")
+    rollouts = []
+    for b in range(n):
+        reward = None if rewards is None else rewards[b]
+        reward = float(reward) if isinstance(reward, torch.Tensor) else reward
+        group = None if group_ids is None else group_ids[b]
+        group = group.item() if isinstance(group, torch.Tensor) else group
+        rollouts.append(Rollout(tokens[b], reward=reward, group_id=group,
+                                **{name: values[b] for name, values in split.items()}))  # fmt: skip
+    return BatchRollouts(rollouts, layout)

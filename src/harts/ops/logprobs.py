@@ -15,14 +15,23 @@ of [chunk, vocab] logits in forward and backward. The target logit is a plain ga
 product, differentiated by autograd, formed once per distinct (predictor, target) pair.
 ``plain_token_logprobs`` is the reference: full logits and autograd.
 
+A head that is not a plain linear layer (LoRA on the head, a forward hook, a quantised or wrapped
+module) is called as a module: :func:`head_token_logprobs` runs it on one chunk of predictors at a
+time under activation checkpointing (non-reentrant), so it too keeps no [U, vocab] logits; the
+head runs again in backward, as it would under activation checkpointing in stock training.
+
+A sampling temperature T divides the logits: every function here returns the log-probs and
+entropies of ``softmax(logits / T)``, as an inference engine that sampled at T computes them.
+
 Shapes: hidden [U, D], weight [V, D], bias [V] or None, predictor [R] (index into U), target [R].
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["token_logprobs", "plain_token_logprobs", "DEFAULT_CHUNK_ROWS"]
+__all__ = ["token_logprobs", "head_token_logprobs", "plain_token_logprobs", "DEFAULT_CHUNK_ROWS"]
 
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -89,13 +98,22 @@ class _LseEntropy(torch.autograd.Function):
         )
 
 
-def _check(hidden, predictor, target):
+def _check(hidden, predictor, target, chunk_rows: int = 1):
     if hidden.dim() != 2:
         raise ValueError(f"expected hidden [U, D], got shape {tuple(hidden.shape)}")
     if predictor.shape != target.shape or predictor.dim() != 1:
         raise ValueError(
             f"expected predictor [R] and target [R], got {tuple(predictor.shape)} and {tuple(target.shape)}"
         )
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    return t
 
 
 def token_logprobs(
@@ -105,11 +123,14 @@ def token_logprobs(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (logprob [R], entropy [R]) in fp32 (fp64 for fp64 weights), differentiable in all inputs."""
-    _check(hidden, predictor, target)
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    _check(hidden, predictor, target, chunk_rows)
+    if _check_temperature(temperature) != 1.0:
+        # logits / T == h . (W / T) + b / T: the same chunked path on a scaled head
+        weight = weight / temperature
+        bias = bias / temperature if bias is not None else None
     predictor, target = predictor.long(), target.long()
     lse, entropy = _LseEntropy.apply(hidden, weight, bias, chunk_rows)
     # Rows of a shared token repeat one (predictor, target) pair once per trajectory through it:
@@ -122,9 +143,56 @@ def token_logprobs(
     return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 
-def plain_token_logprobs(hidden, weight, predictor, target, bias=None):
+def _head_chunk(head, h, predictor, target, temperature):
+    """(logprob of each row, entropy of each predictor) of one chunk: [r], [u]."""
+    logits = head(h[None])[0]  # the head sees [1, n, D], as in the stock forward
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp[predictor, target], entropy
+
+
+def head_token_logprobs(
+    hidden: torch.Tensor,
+    head,
+    predictor: torch.Tensor,
+    target: torch.Tensor,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob [R], entropy [R]) through ``head`` called as a module, ``chunk_rows`` predictors at a time."""
+    _check(hidden, predictor, target, chunk_rows)
+    temperature = _check_temperature(temperature)
+    predictor, target = predictor.long(), target.long()
+    if hidden.shape[0] == 0:
+        empty = torch.empty(0, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        return empty, empty
+    order = torch.argsort(predictor, stable=True)
+    bounds = torch.searchsorted(predictor[order], torch.arange(0, hidden.shape[0] + chunk_rows, chunk_rows,
+                                                               device=predictor.device)).tolist()  # fmt: skip
+    row_parts, entropies = [], []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
+    for c, s in enumerate(range(0, hidden.shape[0], chunk_rows)):
+        rows = order[bounds[c] : bounds[c + 1]]
+        args = (head, hidden[s : s + chunk_rows], predictor[rows] - s, target[rows], temperature)
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(*args)
+        row_parts.append(lp)
+        entropies.append(ent)
+    logprob = torch.empty(predictor.numel(), dtype=entropies[0].dtype, device=hidden.device)
+    logprob = logprob.index_put((order,), torch.cat(row_parts)) if predictor.numel() else logprob
+    return logprob, torch.cat(entropies)[predictor]
+
+
+def _params(module):
+    return module.parameters() if hasattr(module, "parameters") else ()
+
+
+def plain_token_logprobs(hidden, weight, predictor, target, bias=None, temperature: float = 1.0):
     """Reference for :func:`token_logprobs`: full logits, plain autograd."""
     _check(hidden, predictor, target)
-    logp = torch.log_softmax(_logits(hidden, weight, bias), dim=-1)
+    logp = torch.log_softmax(_logits(hidden, weight, bias) / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp[predictor.long(), target.long()], entropy[predictor.long()]

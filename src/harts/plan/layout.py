@@ -111,7 +111,6 @@ class TreeLayout:
             self.root_parents = part.root_parents
             export_tokens, export_nodes = part.export_tokens.numpy(), part.export_nodes
         self.forest = self.local
-        self.node_set = {int(n) for n in self.nodes}
         self.num_external = int(self.external_tokens.size)
         self.export_token_rows = torch.as_tensor(self._own_rows(export_tokens), device=self.device)
         self.export_token_ids = export_tokens

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harts.adapters import adapter_for
 from harts.forest import Forest
-from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, token_logprobs
+from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, token_logprobs
 from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
 from harts.runtime.handoff import LayerHandoff, MixerContext
+from harts.runtime.model_checks import check_model, hooked, resolve_model
 
-__all__ = ["forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for"]
+__all__ = [
+    "forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for", "row_logprobs",
+    "check_targets", "plain_linear_head", "resolve_model",
+]  # fmt: skip
 
 
 class TreeOutput:
@@ -51,14 +56,19 @@ class TreeOutput:
         idx = self.forest.trajectory_token_indices(i).to(self.hidden_states.device)
         return self.lm_head(self.hidden_states[idx])
 
-    def trajectory_logprobs(self, i: int, chunk_rows: int | None = None) -> torch.Tensor:
-        """[len_i - 1] log-prob of each next token of trajectory ``i`` (position p predicted by p - 1)."""
+    def trajectory_logprobs(
+        self, i: int, chunk_rows: int | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """[len_i - 1] log-prob of each next token of trajectory ``i`` (position p predicted by p - 1),
+        under ``softmax(logits / temperature)``."""
         idx = self.forest.trajectory_token_indices(i)
         targets = self.forest.tokens[idx[1:]]
-        logp, _ = self.logprobs(idx[:-1], targets, chunk_rows=chunk_rows)
+        logp, _ = self.logprobs(idx[:-1], targets, chunk_rows=chunk_rows, temperature=temperature)
         return logp
 
-    def all_trajectory_logprobs(self, chunk_rows: int | None = None) -> list[torch.Tensor]:
+    def all_trajectory_logprobs(
+        self, chunk_rows: int | None = None, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
         """Next-token log-probs of every trajectory, [len_i - 1] each, from one pass over the head.
 
         Shared predicting positions are read once: prefer this to calling
@@ -68,28 +78,64 @@ class TreeOutput:
         indices = [f.trajectory_token_indices(i) for i in range(f.num_trajectories)]
         predictor = torch.cat([idx[:-1] for idx in indices])
         target = f.tokens[torch.cat([idx[1:] for idx in indices])]
-        logp, _ = self.logprobs(predictor, target, chunk_rows=chunk_rows)
+        logp, _ = self.logprobs(predictor, target, chunk_rows=chunk_rows, temperature=temperature)
         return list(torch.split(logp, [idx.numel() - 1 for idx in indices]))
 
     def logprobs(
-        self, predictor: torch.Tensor, target: torch.Tensor, chunk_rows: int | None = None
+        self,
+        predictor: torch.Tensor,
+        target: torch.Tensor,
+        chunk_rows: int | None = None,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob [R], entropy [R]) for rows given by unique predicting index and target id.
 
         The softmax normaliser and the entropy are computed once per distinct predictor and only
         for predictors that have rows, ``chunk_rows`` at a time, so no [N, vocab] tensor is formed.
+        ``temperature`` T: log-probs and entropies of ``softmax(logits / T)``.
         """
         device = self.hidden_states.device
         predictor, target = predictor.to(device), target.to(device)
-        unique, inverse = torch.unique(predictor, return_inverse=True)
-        return token_logprobs(
-            self.hidden_states[unique],
-            self.lm_head.weight,
-            inverse,
-            target,
-            bias=self.lm_head.bias,
-            chunk_rows=chunk_rows or self.chunk_rows,
+        check_targets(target, self.lm_head)
+        return row_logprobs(self.lm_head, self.hidden_states, predictor, target,
+                            chunk_rows or self.chunk_rows, temperature)  # fmt: skip
+
+
+def plain_linear_head(head: nn.Module) -> bool:
+    """True for a bare ``nn.Linear`` without hooks: its weight can be read directly."""
+    return type(head) is nn.Linear and not hooked(head)
+
+
+def head_vocab_size(head: nn.Module) -> int | None:
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def check_targets(target: torch.Tensor, head: nn.Module) -> None:
+    """ValueError naming the first row whose target id lies outside the head's vocabulary."""
+    vocab = head_vocab_size(head)
+    if vocab is None or not target.numel():
+        return
+    bad = (target < 0) | (target >= vocab)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}: target token id {int(target[row])} is outside the model's vocabulary "
+            f"(vocab_size={vocab})"
         )
+
+
+def row_logprobs(head: nn.Module, hidden, predictor, target, chunk_rows: int, temperature: float = 1.0):
+    """(logprob [R], entropy [R]) of rows (predicting index into ``hidden`` [N, D], target id).
+
+    The softmax runs once per distinct predictor. A plain linear head takes the chunked path that
+    reads its weight; any other head (LoRA, hooks, quantised, wrapped) is called as a module.
+    """
+    unique, inverse = torch.unique(predictor, return_inverse=True)
+    if plain_linear_head(head):
+        return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias,
+                              chunk_rows=chunk_rows, temperature=temperature)  # fmt: skip
+    return head_token_logprobs(hidden[unique], head, inverse, target, chunk_rows, temperature)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -97,8 +143,8 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def check_inputs(model: nn.Module, forest: Forest) -> None:
-    """Raise before any compute for an unsupported model or a token id outside the vocabulary."""
-    adapter_for(model)
+    """Raise before any compute for an unsupported model or setup, or a token id outside the vocabulary."""
+    check_model(model)
     if not isinstance(forest, Forest):
         raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
     forest.check_vocabulary(model.config.vocab_size)
@@ -122,16 +168,33 @@ def run_layout(
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
-    for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
-        ctx.begin_layer(index)
+
+    def block(hidden, index, layer, module, mixer):
+        ctx.begin_layer(index)  # idempotent: a checkpoint's replay in backward records nothing twice
         residual = hidden
         hidden = residual + mixer(module, layer.input_layernorm(hidden), ctx)
         residual = hidden
         mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
         if isinstance(mlp_out, tuple):
             mlp_out = mlp_out[0]
-        hidden = residual + mlp_out
+        return residual + mlp_out
+
+    for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
+        if checkpointed(model, layer):
+            # The model's gradient-checkpointing flag, honoured per decoder layer. Non-reentrant, so
+            # what the layer hands to later micro-batches (computed inside) keeps its gradient.
+            hidden = checkpoint(block, hidden, index, layer, module, mixer, use_reentrant=False)
+        else:
+            hidden = block(hidden, index, layer, module, mixer)
     return backbone.norm(hidden)[0], ctx.exports
+
+
+def checkpointed(model: nn.Module, layer: nn.Module) -> bool:
+    """Whether stock training would checkpoint ``layer``: its flag is set, the model is in train
+    mode, and a graph is being built."""
+    return (
+        bool(getattr(layer, "gradient_checkpointing", False)) and model.training and torch.is_grad_enabled()
+    )
 
 
 def layout_for(forest: Forest, device, run: RunConfig, part=None) -> TreeLayout:
@@ -154,6 +217,7 @@ def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> T
             "harts.forward runs the whole forest at once and keeps its graph; for a token budget use "
             "harts.forest_backward or harts.rollout_step, which run each part's backward in turn"
         )
+    model = resolve_model(model)
     check_inputs(model, forest)
     layout = layout_for(forest, model_device(model), run)
     hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)

@@ -38,10 +38,6 @@ class LayerHandoff:
     conv_input: torch.Tensor | None = None
     states: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = [t for t in (self.key, self.value, self.conv_input) if t is not None]
-        return out + [self.states[n] for n in sorted(self.states)]
-
 
 class MixerContext:
     """What a token mixer needs beyond its input, and the three sequence ops it calls.
@@ -68,10 +64,15 @@ class MixerContext:
         self.external = external
         self.exports: list[LayerHandoff] = []
         self.layer = -1
+        self.recording = True
 
     def begin_layer(self, index: int) -> None:
+        """Start layer ``index``. A layer run again (an activation checkpoint replaying it in
+        backward) reads the same context and records nothing: its exports were taken the first time."""
         self.layer = index
-        self.exports.append(LayerHandoff())
+        self.recording = index == len(self.exports)
+        if self.recording:
+            self.exports.append(LayerHandoff())
 
     def _ext(self) -> LayerHandoff | None:
         return self.external[self.layer] if self.external is not None else None
@@ -80,8 +81,10 @@ class MixerContext:
         """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv]."""
         key, value = key[0], value[0]
         rows = self.layout.export_token_rows
-        if rows.numel():
-            self.exports[-1].key, self.exports[-1].value = key[:, rows], value[:, rows]
+        if rows.numel():  # computed on a replay too, so that it saves what the first run saved
+            exported = key[:, rows], value[:, rows]
+            if self.recording:
+                self.exports[self.layer].key, self.exports[self.layer].value = exported
         ext = self._ext()
         if ext is not None and ext.key is not None:
             key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
@@ -91,7 +94,9 @@ class MixerContext:
         """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
         rows = self.layout.export_token_rows
         if rows.numel():
-            self.exports[-1].conv_input = mixed[rows]
+            exported = mixed[rows]
+            if self.recording:
+                self.exports[self.layer].conv_input = exported
         ext = self._ext()
         if ext is not None and ext.conv_input is not None:
             mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
@@ -109,7 +114,9 @@ class MixerContext:
         )  # fmt: skip
         for local, glob in self.layout.export_nodes:
             # clone: a state is often a view of a whole call's stacked states, which would stay alive
-            self.exports[-1].states[glob] = states[local].clone()
+            exported = states[local].clone()
+            if self.recording:
+                self.exports[self.layer].states[glob] = exported
         return out
 
 

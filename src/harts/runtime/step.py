@@ -41,11 +41,18 @@ import torch
 from torch import nn
 
 from harts.forest import Forest
-from harts.ops.logprobs import token_logprobs
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import check_inputs, layout_for, model_device, run_layout
+from harts.runtime.executor import (
+    check_inputs,
+    check_targets,
+    layout_for,
+    model_device,
+    resolve_model,
+    row_logprobs,
+    run_layout,
+)
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
@@ -67,6 +74,10 @@ class StepResult:
       ``tokens_per_micro_batch``, ``layouts`` (plans, calls per linear layer, padding).
     - ``timings``: seconds spent in ``plan`` (micro-batches, layouts, attention/linear/conv plans),
       ``handoff`` (gathering handed-over rows and routing their gradients back) and ``total``.
+    - ``rows``: the :class:`~harts.objectives.rows.LossRows` of a :func:`harts.rollout_step`
+      (which trajectory and position each entry of ``logprob`` belongs to), else None.
+    - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
+      from (``harts.rollouts_from_batch``), else None; :meth:`to_batch` uses it.
     """
 
     loss: Tensor
@@ -79,6 +90,19 @@ class StepResult:
     metrics: dict[str, Tensor] = field(default_factory=dict)
     moe: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    rows: Any = None
+    batch_layout: Any = None
+
+    def to_batch(self, values: Tensor | None = None, fill: float = 0.0) -> Tensor:
+        """Per-row ``values`` (default: ``logprob``) in the caller's padded or packed layout: the
+        value of trajectory b at position p where its token sat, ``fill`` elsewhere."""
+        if self.rows is None or self.batch_layout is None:
+            raise ValueError(
+                "to_batch needs a step over rollouts made by harts.rollouts_from_batch "
+                "(padded or packed input)"
+            )
+        values = self.logprob if values is None else values
+        return self.batch_layout.scatter(values, self.rows.trajectory, self.rows.position, fill)
 
 
 class PartObserver:
@@ -105,12 +129,6 @@ def next_token_rows(forest: Forest) -> tuple[Tensor, Tensor]:
     return predictor, forest.tokens[torch.cat([idx[1:] for idx in indices])]
 
 
-def _row_logprobs(model, hidden, local_predictor, target, chunk_rows):
-    unique, inverse = torch.unique(local_predictor, return_inverse=True)
-    head = model.lm_head
-    return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias, chunk_rows=chunk_rows)
-
-
 def _split_loss(value) -> tuple[Tensor, dict[str, Tensor]]:
     if isinstance(value, tuple):
         loss, metrics = value
@@ -118,7 +136,7 @@ def _split_loss(value) -> tuple[Tensor, dict[str, Tensor]]:
     return value, {}
 
 
-def _check_rows(forest: Forest, predictor, target, vocab_size: int) -> tuple[Tensor, Tensor]:
+def _check_rows(forest: Forest, predictor, target, head: nn.Module) -> tuple[Tensor, Tensor]:
     predictor = torch.as_tensor(predictor, dtype=torch.long)
     target = torch.as_tensor(target, dtype=torch.long)
     if predictor.shape != target.shape or predictor.dim() != 1:
@@ -127,12 +145,7 @@ def _check_rows(forest: Forest, predictor, target, vocab_size: int) -> tuple[Ten
         )
     if predictor.numel() and (predictor.min() < 0 or predictor.max() >= forest.num_tokens):
         raise ValueError(f"predictor indices must lie in [0, {forest.num_tokens})")
-    if target.numel() and (target.min() < 0 or target.max() >= vocab_size):
-        row = int(((target < 0) | (target >= vocab_size)).nonzero()[0, 0])
-        raise ValueError(
-            f"row {row}: target token id {int(target[row])} is outside the model's vocabulary "
-            f"(vocab_size={vocab_size})"
-        )
+    check_targets(target, head)
     return predictor.cpu(), target.cpu()
 
 
@@ -169,6 +182,7 @@ def forest_backward(
     *,
     run: RunConfig | None = None,
     observer: PartObserver | None = None,
+    temperature: float = 1.0,
 ) -> StepResult:
     """Accumulate into ``.grad`` the gradients of ``loss_fn(logprob, entropy)`` over rows.
 
@@ -176,14 +190,21 @@ def forest_backward(
     ``target`` [R]: the token id it predicts. ``loss_fn`` returns a 0-dim loss, or
     ``(loss, metrics)``. ``budget_tokens`` (or ``run.budget_tokens``) cuts the forest into
     micro-batches; ``run`` holds the other execution knobs (:class:`~harts.runtime.config.RunConfig`).
-    Every check runs before any compute. Returns the loss, the row log-probs and entropies, and
-    what the plan did.
+    ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
+    distribution a sampler at T drew from. Every check runs before any compute. Returns the
+    loss, the row log-probs and entropies, and what the plan did.
     """
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
     observer = observer or PartObserver()
+    model = resolve_model(model)
     check_inputs(model, forest)
-    predictor, target = _check_rows(forest, predictor, target, model.config.vocab_size)
+    predictor, target = _check_rows(forest, predictor, target, model.lm_head)
+    head = model.lm_head
+
+    def head_rows(hidden, local_predictor, row_target):
+        return row_logprobs(head, hidden, local_predictor, row_target, run.chunk_rows, temperature)
+
     device = model_device(model)
     clock = _Clock()
 
@@ -204,10 +225,12 @@ def forest_backward(
     if len(layouts) == 1:
         observer.before_part(0, layouts[0], True)
         hidden, _ = run_layout(model, layouts[0], recompute_linear=run.recompute_linear)
-        logp, ent = _row_logprobs(model, hidden, predictor.to(device), target.to(device), run.chunk_rows)
+        logp, ent = head_rows(hidden, predictor.to(device), target.to(device))
         extra = observer.after_part(0, layouts[0], True, True)
         loss, metrics = _split_loss(loss_fn(logp, ent))
-        (loss if extra is None else loss + extra).backward()
+        total = loss if extra is None else loss + extra
+        if total.requires_grad:  # nothing to differentiate when every parameter is frozen
+            total.backward()
         return result(loss, metrics, logp.detach(), ent.detach())
 
     # rows of each part: those whose predicting token it holds
@@ -246,7 +269,7 @@ def forest_backward(
             hidden, exports = run_layout(model, lay, ext, run.recompute_linear)
             if rows.size:
                 local = torch.as_tensor(local_index[pred_np[rows]], device=device)
-                lp, en = _row_logprobs(model, hidden, local, target[rows].to(device), run.chunk_rows)
+                lp, en = head_rows(hidden, local, target[rows].to(device))
         return _PartRun(exports, lp, en, leaves, observer.after_part(p, lay, first, grad))
 
     # 1. forward of every part in order, without autograd except for the last part, whose graph
@@ -272,7 +295,9 @@ def forest_backward(
     # 2. the loss and its gradient with respect to the rows
     logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
     loss, metrics = _split_loss(loss_fn(logp_leaf, ent_leaf))
-    grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
+    grad_logp = grad_ent = None
+    if loss.requires_grad:
+        grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
 
     # 3. backward, last part first (the others recomputed); gradients flow back through the banks
     def backward_part(p: int, part_run: _PartRun) -> None:
@@ -295,8 +320,10 @@ def forest_backward(
         if part_run.extra is not None:
             tensors.append(part_run.extra)
             grads.append(torch.ones_like(part_run.extra))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        # with frozen parameters (LoRA, a frozen layer, head-only training) some outputs have no graph
+        live = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+        if live:
+            torch.autograd.backward([t for t, _ in live], [g for _, g in live])
 
         def route():
             for layer, name, node, leaf in part_run.leaves:

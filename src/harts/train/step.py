@@ -22,6 +22,7 @@ What this leaves out: advantage estimation (give the rollouts advantages, or row
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -41,7 +42,7 @@ from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import check_inputs, model_device
+from harts.runtime.executor import check_inputs, model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.step import StepResult, forest_backward
 from harts.train.moe import MoEObserver, resolve_aux_coef
@@ -103,6 +104,7 @@ def forest_step(
     run: RunConfig | None = None,
     moe: MoEConfig | None = None,
     old_logprob: Tensor | None = None,
+    temperature: float | None = None,
 ) -> StepResult:
     """Forward and backward of ``config``'s loss over ``rows`` of ``forest``; gradients into ``.grad``.
 
@@ -112,9 +114,12 @@ def forest_step(
     step's loss; None means this batch is the whole step. ``old_logprob`` [R] replaces the rollout
     log-probs (see ``compute_loss``). ``budget_tokens`` (or ``run.budget_tokens``) bounds the
     unique tokens per micro-batch. ``moe``: record the routers, return :class:`MoEStats` in the
-    result and add the load-balancing loss (see :class:`MoEConfig`).
+    result and add the load-balancing loss (see :class:`MoEConfig`). ``temperature`` (or
+    ``config.temperature``): the sampling temperature of the rollouts.
     """
     run = RunConfig.resolve(run, budget_tokens)
+    config = _with_temperature(config, temperature)
+    model = resolve_model(model)
     if normalizers is None:
         if isinstance(rows, LossRows):
             normalizers = normalizers_for(rows)
@@ -134,8 +139,10 @@ def forest_step(
     observer = MoEObserver(recorder, aux_coef) if recorder is not None else None
     with recorder if recorder is not None else nullcontext():
         result = forest_backward(
-            model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer
-        )
+            model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
+            temperature=config.temperature,
+        )  # fmt: skip
+    result.rows = rows
     if observer is not None:
         result.moe = stats = observer.stats()
         if stats.aux_loss is not None:
@@ -156,6 +163,7 @@ def rollout_step(
     normalizers: Normalizers | None = None,
     run: RunConfig | None = None,
     moe: MoEConfig | None = None,
+    temperature: float | None = None,
 ) -> StepResult:
     """One training step on a batch of rollouts: forward and backward, gradients into ``.grad``.
 
@@ -163,17 +171,35 @@ def rollout_step(
     options before any compute, builds the forest (``share_prefixes=False`` gives the flat
     layout) and the rows, and runs :func:`forest_step`. ``normalizers`` None means this batch is
     the whole step (Dr. GRPO's aggregation then needs explicit normalisers with ``max_length``).
-    ``budget_tokens`` bounds the unique tokens per micro-batch; ``run`` holds the other execution
+    ``budget_tokens`` bounds the unique tokens per micro-batch; ``temperature`` (or
+    ``config.temperature``) is the rollouts' sampling temperature; ``run`` holds the other execution
     knobs (:class:`~harts.runtime.config.RunConfig`). Returns a
     :class:`~harts.runtime.step.StepResult`: the detached loss, metrics, MoE statistics
     (``moe=MoEConfig()``), row log-probs and the plan.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
+    model = resolve_model(model)
     if moe is not None:
         resolve_aux_coef(moe, model)
     run = RunConfig.resolve(run, budget_tokens)
+    config = _with_temperature(config, temperature)
     checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
     forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
     rows = build_loss_rows(forest, rollouts)
-    return forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
+    result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
+    result.batch_layout = getattr(rollouts, "layout", None)
+    return result
+
+
+def _with_temperature(config: PolicyLossConfig, temperature: float | None) -> PolicyLossConfig:
+    """``config`` with ``temperature`` applied; a temperature given both ways must agree."""
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
+    if temperature is None or float(temperature) == config.temperature:
+        return config
+    if config.temperature != 1.0:
+        raise ValueError(
+            f"temperature={temperature} disagrees with config.temperature={config.temperature}: give one"
+        )
+    return dataclasses.replace(config, temperature=float(temperature))
