@@ -80,12 +80,17 @@ def _keep64(dtype, source_dtype):
 
 @contextlib.contextmanager
 def _no_fp32_downcasts():
-    """Inside: an fp64 tensor asked to become fp32 stays fp64."""
+    """Inside: an fp64 tensor asked to become fp32 stays fp64, and an integer tensor's ``.float()``
+    (rotary positions, masks) becomes fp64, so that it meets fp64 operands."""
     tensor, functional = torch.Tensor, torch.nn.functional
     saved = {"float": tensor.float, "to": tensor.to, "type": tensor.type, "softmax": functional.softmax}
 
     def float_(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else saved["float"](self, *args, **kwargs)
+        if self.dtype == torch.float64:
+            return self
+        if not self.dtype.is_floating_point:  # integer positions and masks: fp64 like the rest
+            return saved["to"](self, torch.float64)
+        return saved["float"](self, *args, **kwargs)
 
     def to(self, *args, **kwargs):
         args = tuple(_keep64(a, self.dtype) if isinstance(a, torch.dtype) else a for a in args)
@@ -137,6 +142,8 @@ def fp64_copy(model, cache: bool = True):
         from transformers import AutoModelForCausalLM
 
         copy = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager")
+        # some versions keep chosen modules (e.g. short convolutions) in fp32 whatever the dtype
+        copy = copy.double()
         copy.load_state_dict(model.state_dict())
         if not cache:
             return copy.eval()
