@@ -3,12 +3,14 @@
 A randomly initialised model with the Ling 3 architecture (KDA linear layers, an MLA full
 layer with interleaved RoPE and output gate, MoE with a shared expert) and a synthetic agentic
 forest (a long shared system prompt, several turns, branches where earlier-turn thinking is
-dropped). The same objective (sum of next-token log-probs of every trajectory) runs forward and
-backward once in the tree layout and once in the flat layout, through the same executor and
-kernels; the demo prints the redundancy, both times, the speedup (and the FLOP-ideal one, see
-docs/benchmarks.md), and the largest logit and gradient differences between the two layouts.
+dropped). One training step, :func:`harts.rollout_step` with the SFT objective, runs in the tree
+layout and in the flat layout (``share_prefixes=False``: the same code and kernels, each
+trajectory its own root), both in micro-batches of at most ``--budget`` unique tokens, the way a
+trainer bounds memory; the demo prints the redundancy, both times, the speedup (and the
+FLOP-ideal one, see docs/benchmarks.md), and the largest logit, loss and gradient differences
+between the two layouts.
 
-Usage: ``python -m harts.demo [--system-len 1200] [--seed 0]``.
+Usage: ``python -m harts.demo [--system-len 1000] [--budget 2048] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -40,21 +42,22 @@ DEMO_MODEL = dict(
 )
 
 
-def step(model, forest) -> tuple[float, list[torch.Tensor], dict[str, torch.Tensor]]:
-    """One forward+backward of the summed next-token log-probs; returns time, log-probs, grads."""
+def step(model, rollouts, share_prefixes: bool, budget: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One forward+backward of the summed next-token log-probs; returns time, loss, gradients."""
     model.zero_grad(set_to_none=True)
+    sft, total = harts.PolicyLossConfig(kind="sft"), torch.tensor(1.0)
     start = time.perf_counter()
-    out = harts.forward(model, forest)
-    logprobs = out.all_trajectory_logprobs()
-    torch.stack([lp.sum() for lp in logprobs]).sum().backward()
+    result = harts.rollout_step(model, rollouts, sft, normalizers=harts.Normalizers(total, total),
+                                budget_tokens=budget, share_prefixes=share_prefixes)  # fmt: skip
     elapsed = time.perf_counter() - start
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return elapsed, [lp.detach() for lp in logprobs], grads
+    return elapsed, float(result.loss), grads
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens")
+    parser.add_argument("--budget", type=int, default=2048, help="unique tokens per micro-batch")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -78,10 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"forest: {tree.describe()}")
 
-    step(model, tree)  # warm-up: first-call allocations and lazy initialisation
-    t_tree, lp_tree, g_tree = step(model, tree)
-    t_flat, lp_flat, g_flat = step(model, flat)
-    logit_diff = max((a - b).abs().max().item() for a, b in zip(lp_tree, lp_flat, strict=True))
+    rollouts = [harts.Rollout(t) for t in trajectories]
+    step(model, rollouts, True, args.budget)  # warm-up: first-call allocations and lazy initialisation
+    t_tree, loss_tree, g_tree = step(model, rollouts, True, args.budget)
+    t_flat, loss_flat, g_flat = step(model, rollouts, False, args.budget)
     with torch.no_grad():
         out_t, out_f = harts.forward(model, tree), harts.forward(model, flat)
         logit_diff = max(
@@ -91,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     grad_err = max((g_tree[n] - g_flat[n]).norm().item() / max(g_flat[n].norm().item(), 1e-6) for n in g_flat)
 
     print(f"redundancy (flat tokens / unique tokens): {tree.redundancy:.2f}")
-    print(f"tree step (forward+backward): {t_tree:.3f} s")
-    print(f"flat step (forward+backward): {t_flat:.3f} s")
+    print(f"tree step (harts.rollout_step, budget {args.budget}): {t_tree:.3f} s")
+    print(f"flat step (share_prefixes=False, budget {args.budget}): {t_flat:.3f} s")
     print(f"speedup: {t_flat / t_tree:.2f}x (FLOP-ideal {ideal_speedup(flop_model(model), tree, flat):.2f}x)")
     print(f"max |logit diff| tree vs flat: {logit_diff:.2e}")
+    print(f"loss relative diff tree vs flat: {abs(loss_tree - loss_flat) / abs(loss_flat):.2e}")
     print(f"max gradient relative diff tree vs flat: {grad_err:.2e}")
 
 

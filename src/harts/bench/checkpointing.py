@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args(argv)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     row = measure(a.family, a.scale, a.budget, a.repeats)
