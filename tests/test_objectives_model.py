@@ -287,14 +287,15 @@ def forest_step(model, rollouts, parts, config, estimator=None, budget=None):
             rows = estimate_advantages(rows, name, forest=forest, **params)
         built.append((forest, rows))
     norms = normalizers_for([rows for _, rows in built], max_length=MAX_LENGTH)
-    total, metrics = torch.zeros((), dtype=torch.float64), []
+    total, metrics, results = torch.zeros((), dtype=torch.float64), [], []
     for forest, rows in built:
         result = harts.forest_step(model, forest, rows, config, normalizers=norms, budget_tokens=budget)
         if budget is not None:
             assert max(result.tokens_per_micro_batch) <= budget
         total = total + result.loss.double()
         metrics.append(result.metrics)
-    return total, param_grads(model), metrics
+        results.append(result)
+    return total, param_grads(model), metrics, results
 
 
 def check(case, config, parts, estimator=None, ref_advantages=None, budget=None):
@@ -313,7 +314,7 @@ def check(case, config, parts, estimator=None, ref_advantages=None, budget=None)
     with torch.no_grad():
         scale = float(reference_loss(case, case.trajs, config, ref_advantages, absolute=True))
     rollouts = rollouts_of(case.trajs, with_advantages=estimator is None)
-    loss, grads, metrics = forest_step(case.model, rollouts, parts, config, estimator, budget)
+    loss, grads, metrics, results = forest_step(case.model, rollouts, parts, config, estimator, budget)
     diff, ref_value = abs(float(loss) - float(ref.detach())), float(ref.detach())
     loss_err = diff / scale
     errors = grad_relative_errors(grads, ref_grads)
@@ -326,7 +327,7 @@ def check(case, config, parts, estimator=None, ref_advantages=None, budget=None)
     assert not failures, f"gradients off: {failures}"
     assert any(g.norm() > 0 for g in ref_grads.values())
     return {"loss": loss_err, "loss_plain": diff / abs(ref_value), "grad": errors[worst], "param": worst,
-            "metrics": metrics}  # fmt: skip
+            "metrics": metrics, "results": results}  # fmt: skip
 
 
 def _config(name, mode):
@@ -468,12 +469,24 @@ def test_budgeted_step_matches_per_trajectory_stock_and_unbudgeted_step(family, 
         assert abs(float(cut[name]) - float(whole[name])) <= 1e-5 * max(1.0, abs(float(whole[name]))), name
 
 
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_micro_batches_of_whole_trees_run_once(family, objective):
+    """Two trees, each its own micro-batch: each runs forward and backward once, on its own rows
+    (no first pass without autograd), and the step still matches the reference."""
+    case = case_of(family, "two-groups-B6")
+    config = _config(objective, Aggregation.SEQ_MEAN_TOKEN_MEAN)
+    result = check(case, config, [list(range(len(case.trajs)))], budget=40)["results"][0]
+    assert result.num_micro_batches == 2 and result.num_cuts == 0
+    assert result.part_forwards == 2
+
+
 # ---- rollout_step ----------------------------------------------------------------------------------
 def test_rollout_step_equals_forest_step_and_flat_layout():
     case = case_of("kimi_linear", "branchy-B5")
     config = _config("ppo-kl_k3-entropy", Aggregation.SEQ_MEAN_TOKEN_MEAN)
     rollouts = rollouts_of(case.trajs)
-    whole, grads, _ = forest_step(case.model, rollouts, [list(range(len(rollouts)))], config)
+    whole, grads, _, _ = forest_step(case.model, rollouts, [list(range(len(rollouts)))], config)
     for share, budget in ((True, None), (False, None), (True, 4), (False, 4)):
         case.model.zero_grad(set_to_none=True)
         step = harts.rollout_step(case.model, rollouts, config, share_prefixes=share, budget_tokens=budget)

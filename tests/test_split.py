@@ -37,19 +37,36 @@ def model_of(family):
     return cached_model(family, seed=11)
 
 
-def _step(model, forest, budget):
+class SequenceLoss:
+    """Row-weighted terms plus a sequence-level term (GSPO-like: a non-linear function of each
+    trajectory's mean log-prob) whose rows span several micro-batches of a cut tree. A sum over
+    trajectories of each one's rows, so ``subset`` (whole trajectories' rows) is exact."""
+
+    def __init__(self, forest, rows=None):
+        predictor, _ = next_token_rows(forest)
+        self.forest = forest
+        self.w = torch.randn(predictor.numel(), generator=torch.Generator().manual_seed(0))
+        lengths = forest.trajectory_length - 1
+        self.traj = torch.repeat_interleave(torch.arange(forest.num_trajectories), lengths)
+        self.rows = torch.arange(predictor.numel()) if rows is None else rows
+
+    def __call__(self, logprob, entropy):
+        w, traj = self.w[self.rows], self.traj[self.rows]
+        seq_mean = torch.zeros(self.forest.num_trajectories).index_add(0, traj, logprob)
+        seq_mean = seq_mean / (self.forest.trajectory_length - 1).clamp(min=1)
+        present = torch.zeros(self.forest.num_trajectories, dtype=torch.bool)
+        present[traj] = True
+        entropy_w = self.w.flip(0)[self.rows]
+        return (logprob * w).sum() + 0.1 * (entropy * entropy_w).sum() + torch.exp(seq_mean)[present].sum()
+
+    def subset(self, rows):
+        return SequenceLoss(self.forest, self.rows[rows.cpu()])
+
+
+def _step(model, forest, budget, separable=False):
     predictor, target = next_token_rows(forest)
-    w = torch.randn(predictor.numel(), generator=torch.Generator().manual_seed(0))
-
-    traj = torch.repeat_interleave(torch.arange(forest.num_trajectories), forest.trajectory_length - 1)
-
-    def loss_fn(logprob, entropy):
-        # row-weighted terms, plus a sequence-level term (GSPO-like: a non-linear function of each
-        # trajectory's mean log-prob) whose rows span several micro-batches
-        seq_mean = torch.zeros(forest.num_trajectories).index_add(0, traj, logprob)
-        seq_mean = seq_mean / (forest.trajectory_length - 1).clamp(min=1)
-        return (logprob * w).sum() + 0.1 * (entropy * w.flip(0)).sum() + torch.exp(seq_mean).sum()
-
+    loss = SequenceLoss(forest)
+    loss_fn = loss if separable else (lambda logprob, entropy: loss(logprob, entropy))
     model.zero_grad(set_to_none=True)
     result = forest_backward(model, forest, predictor, target, loss_fn, budget_tokens=budget)
     return result, param_grads(model)
@@ -69,6 +86,29 @@ def test_budget_does_not_change_gradients(family, shape, budget):
     errors = grad_relative_errors(grads, ref_grads)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])
+def test_whole_trees_run_once_under_a_separable_loss(family):
+    """Trees that fit the budget run forward and backward once; cut trees take three passes."""
+    model = model_of(family)
+    forest = harts.build_forest(SPLIT_FORESTS["duplicates+roots"])
+    ref, ref_grads = _step(model, forest, None)
+    for budget in (9, 4):  # 9: two parts of whole trees; 4: one (a 3-token tree)
+        plain, plain_grads = _step(model, forest, budget)
+        once, grads = _step(model, forest, budget, separable=True)
+        whole = sum(1 for lay in once.layouts if not lay.root_state_source and not lay.export_token_ids.size
+                    and not lay.export_nodes)  # fmt: skip
+        assert whole >= 1 and once.num_cuts >= 1, "a mixed plan: whole trees and a cut tree"
+        cut = once.num_micro_batches - whole
+        assert once.part_forwards == whole + 2 * cut - 1
+        assert plain.part_forwards == 2 * once.num_micro_batches - 1
+        assert abs(float(once.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss)))
+        assert torch.allclose(once.logprob, ref.logprob, atol=1e-5, rtol=0)
+        for got in (grads, plain_grads):
+            errors = grad_relative_errors(got, ref_grads)
+            worst = max(errors, key=errors.get)
+            assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
 
 
 def test_split_long_nodes_keeps_paths():

@@ -82,6 +82,17 @@ class LossRows:
     def device(self) -> torch.device:
         return self.predictor.device
 
+    def select(self, index: torch.Tensor) -> LossRows:
+        """The rows ``index`` [r] (per-row tensors indexed, per-trajectory ones kept whole).
+
+        Exact for the objectives when ``index`` holds all rows of each trajectory it touches:
+        sequence-level terms read a trajectory's rows together.
+        """
+        index = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        per_row = ("predictor", "target", "target_index", "trajectory", "position", "weight", "advantage",
+                   "rollout_logprob", "ref_logprob")  # fmt: skip
+        return replace(self, **{name: getattr(self, name)[index] for name in per_row})
+
     def to(self, device) -> LossRows:
         """A copy with every tensor on ``device``."""
         moved = {

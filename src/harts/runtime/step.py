@@ -6,8 +6,12 @@ by a predicting unique token and a target id, whatever the budget. It is the low
 :func:`harts.rollout_step` and the entry point for custom losses.
 
 Without a budget (or when the forest fits) it is one forward, the loss, one backward. With a
-budget the forest is cut into micro-batches (:mod:`harts.plan.micro_batches`) and run in three
-passes:
+budget the forest is cut into micro-batches (:mod:`harts.plan.micro_batches`). A micro-batch of
+whole trees runs forward and backward once, on its own rows, when the loss is a sum over
+trajectories of functions of each one's own rows (a ``loss_fn`` with a ``subset(rows)`` method,
+as every objective of :func:`harts.rollout_step` is, given the step's normalisers): that is how a
+flat trainer runs its micro-batches. The parts of cut trees (and every part, for a loss without
+``subset``) run in three passes:
 
 1. forward of every part in order, without autograd, keeping what each part hands on (per layer:
    keys/values and conv inputs of the tokens later parts read, final states of their parents)
@@ -76,6 +80,9 @@ class StepResult:
       ``handoff`` (gathering handed-over rows and routing their gradients back) and ``total``.
     - ``rows``: the :class:`~harts.objectives.rows.LossRows` of a :func:`harts.rollout_step`
       (which trajectory and position each entry of ``logprob`` belongs to), else None.
+    - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch where each
+      runs once (whole trees under a separable loss), up to two where a cut tree's parts run a
+      first pass without autograd and again in backward.
     - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
       from (``harts.rollouts_from_batch``), else None; :meth:`to_batch` uses it.
     """
@@ -92,6 +99,7 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)
     rows: Any = None
     batch_layout: Any = None
+    part_forwards: int = 0
 
     def to_batch(self, values: Tensor | None = None, fill: float = 0.0) -> Tensor:
         """Per-row ``values`` (default: ``logprob``) in the caller's padded or packed layout: the
@@ -108,12 +116,18 @@ class StepResult:
 class PartObserver:
     """Sees each part's forward; may add a scalar loss term to a part's backward.
 
+    ``needs_step_statistics``: True when a term needs statistics of every part first (then no
+    part runs forward and backward in one pass).
+
     ``before_part(p, layout, first)`` runs before part ``p``'s forward; ``after_part`` after it
     and returns a 0-dim term to backpropagate with the part (or None). ``first`` is True on the
     first forward of a part (each part runs once more in backward, except the last); ``grad`` is
-    True when the forward kept its graph. Every part's first forward has run before the first
-    ``after_part`` with ``grad`` True, so a term may use statistics of the whole step.
+    True when the forward kept its graph. With ``needs_step_statistics``, every part's first
+    forward has run before the first ``after_part`` with ``grad`` True, so a term may use
+    statistics of the whole step.
     """
+
+    needs_step_statistics = False
 
     def before_part(self, part: int, layout: TreeLayout, first: bool) -> None:
         pass
@@ -188,8 +202,11 @@ def forest_backward(
 
     ``predictor`` [R]: unique-token index (in ``forest``) of each row's predicting position;
     ``target`` [R]: the token id it predicts. ``loss_fn`` returns a 0-dim loss, or
-    ``(loss, metrics)``. ``budget_tokens`` (or ``run.budget_tokens``) cuts the forest into
-    micro-batches; ``run`` holds the other execution knobs (:class:`~harts.runtime.config.RunConfig`).
+    ``(loss, metrics)``; if it has ``subset(rows [r]) -> loss_fn`` over those rows alone (a sum
+    over trajectories, each of its own rows, so that the loss of whole trajectories' rows adds
+    up), micro-batches of whole trees run forward and backward once. ``budget_tokens`` (or
+    ``run.budget_tokens``) cuts the forest into micro-batches; ``run`` holds the other execution
+    knobs (:class:`~harts.runtime.config.RunConfig`).
     ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
     distribution a sampler at T drew from. Every check runs before any compute. Returns the
     loss, the row log-probs and entropies, and what the plan did.
@@ -216,11 +233,12 @@ def forest_backward(
     plan, layouts = clock.timed("plan", plan_parts)
     sizes = [lay.num_tokens for lay in layouts]
 
-    def result(loss, metrics, logp, ent) -> StepResult:
+    def result(loss, metrics, logp, ent, forwards: int) -> StepResult:
         plan_s = clock.seconds["plan"] + sum(lay.build_seconds for lay in layouts)
         timings = {"plan": plan_s, "handoff": clock.seconds["handoff"], "total": time.perf_counter() - start}
         return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes, layouts,
-                          {k: v.detach() for k, v in metrics.items()}, timings=timings)  # fmt: skip
+                          {k: v.detach() for k, v in metrics.items()}, timings=timings,
+                          part_forwards=forwards)  # fmt: skip
 
     if len(layouts) == 1:
         observer.before_part(0, layouts[0], True)
@@ -231,7 +249,7 @@ def forest_backward(
         total = loss if extra is None else loss + extra
         if total.requires_grad:  # nothing to differentiate when every parameter is frozen
             total.backward()
-        return result(loss, metrics, logp.detach(), ent.detach())
+        return result(loss, metrics, logp.detach(), ent.detach(), 1)
 
     # rows of each part: those whose predicting token it holds
     part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
@@ -272,11 +290,8 @@ def forest_backward(
                 lp, en = head_rows(hidden, local, target[rows].to(device))
         return _PartRun(exports, lp, en, leaves, observer.after_part(p, lay, first, grad))
 
-    # 1. forward of every part in order, without autograd except for the last part, whose graph
-    #    is kept for its backward right after the loss (no recompute for it)
     logp = torch.empty(predictor.numel(), device=device)
     ent = torch.empty(predictor.numel(), device=device)
-    last = len(layouts) - 1
 
     def keep_rows(p: int, part_run: _PartRun) -> None:
         rows = torch.as_tensor(row_parts[p], device=device)
@@ -284,20 +299,66 @@ def forest_backward(
             logp[rows] = part_run.logprob.detach().to(logp.dtype)
             ent[rows] = part_run.entropy.detach().to(ent.dtype)
 
-    for p in range(last):
+    # Parts that hold whole trees neither read from nor hand to other parts. With a loss that is a
+    # sum over trajectories of each one's own rows (``loss_fn.subset``), such a part runs forward
+    # and backward once, on its own rows, as a flat trainer runs a micro-batch. Everything else (cut
+    # trees; any part when the loss couples all rows, or the observer needs the whole step's
+    # statistics first) takes the three passes below.
+    separable = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
+    whole = [p for p, lay in enumerate(layouts) if separable and not lay.root_state_source
+             and not lay.export_token_ids.size and not lay.export_nodes]  # fmt: skip
+    whole_set = set(whole)
+    cut = [p for p in range(len(layouts)) if p not in whole_set]
+    loss = torch.zeros((), device=device)
+    metrics: dict[str, Tensor] = {}
+    forwards = 0
+
+    def add(part_loss, part_metrics) -> None:
+        nonlocal loss
+        loss = loss + part_loss.detach()
+        for name, value in part_metrics.items():  # every metric is a sum over global normalisers
+            metrics[name] = metrics[name] + value.detach() if name in metrics else value.detach()
+
+    for p in whole:
+        part_run = forward_part(p, grad=True, first=True)
+        forwards += 1
+        keep_rows(p, part_run)
+        if not row_parts[p].size:
+            continue
+        rows = torch.as_tensor(row_parts[p], device=device)
+        part_loss, part_metrics = _split_loss(loss_fn.subset(rows)(part_run.logprob, part_run.entropy))
+        total = part_loss if part_run.extra is None else part_loss + part_run.extra
+        if total.requires_grad:
+            total.backward()
+        add(part_loss, part_metrics)
+        del part_run, total
+    if not cut:
+        return result(loss, metrics, logp, ent, forwards)
+
+    # 1. forward of the other parts in order, without autograd except for the last one, whose graph
+    #    is kept for its backward right after the loss (no recompute for it)
+    last = cut[-1]
+    for p in cut[:-1]:
         part_run = forward_part(p, grad=False, first=True)
         banks.put(p, part_run.exports)
         keep_rows(p, part_run)
-    del part_run
+    part_run = None
     kept = forward_part(last, grad=True, first=True)  # no part comes after it: its exports are not banked
     keep_rows(last, kept)
+    forwards += len(cut)
 
-    # 2. the loss and its gradient with respect to the rows
+    # 2. the loss of their rows and its gradient with respect to the rows
     logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
-    loss, metrics = _split_loss(loss_fn(logp_leaf, ent_leaf))
+    if whole:
+        cut_rows = torch.as_tensor(np.concatenate([row_parts[p] for p in cut]), device=device)
+        cut_loss_fn = loss_fn.subset(cut_rows)
+        cut_loss, cut_metrics = _split_loss(cut_loss_fn(logp_leaf[cut_rows], ent_leaf[cut_rows]))
+    else:
+        cut_loss, cut_metrics = _split_loss(loss_fn(logp_leaf, ent_leaf))
     grad_logp = grad_ent = None
-    if loss.requires_grad:
-        grad_logp, grad_ent = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
+    if cut_loss.requires_grad:
+        grad_logp, grad_ent = torch.autograd.grad(cut_loss, (logp_leaf, ent_leaf), allow_unused=True)
+    add(cut_loss, cut_metrics)
 
     # 3. backward, last part first (the others recomputed); gradients flow back through the banks
     def backward_part(p: int, part_run: _PartRun) -> None:
@@ -335,7 +396,8 @@ def forest_backward(
 
     backward_part(last, kept)
     del kept
-    for p in range(last - 1, -1, -1):
+    for p in reversed(cut[:-1]):
         backward_part(p, forward_part(p, grad=True, first=False))
+        forwards += 1
         banks.release(p)  # only later parts read a part's exports, and they are done
-    return result(loss, metrics, logp, ent)
+    return result(loss, metrics, logp, ent, forwards)

@@ -83,6 +83,11 @@ class MoEObserver(PartObserver):
         self.prob_sum: Tensor | None = None
         self.total: Tensor | None = None
 
+    @property
+    def needs_step_statistics(self) -> bool:
+        """The aux term of a part needs the whole step's routing counts first; counts alone do not."""
+        return self.has_aux and self.aux_coef > 0
+
     def before_part(self, part: int, layout: TreeLayout, first: bool) -> None:
         self.recorder.clear()
 

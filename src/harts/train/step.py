@@ -132,8 +132,7 @@ def forest_step(
     if old_logprob is not None:
         old_logprob = old_logprob.to(device)
 
-    def loss_fn(logprob, entropy):
-        return compute_loss(logprob, entropy, rows, config, normalizers, old_logprob)
+    loss_fn = _PolicyLoss(rows, config, normalizers, old_logprob)
 
     recorder = RouterRecorder(model) if moe is not None else None
     observer = MoEObserver(recorder, aux_coef) if recorder is not None else None
@@ -190,6 +189,22 @@ def rollout_step(
     result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
     result.batch_layout = getattr(rollouts, "layout", None)
     return result
+
+
+class _PolicyLoss:
+    """``compute_loss`` over ``rows``; ``subset`` gives the same loss over some of them. Every
+    objective is a sum over trajectories of each one's own rows over the step's normalisers, so the
+    losses (and metrics) of subsets holding whole trajectories add up to the loss over all rows."""
+
+    def __init__(self, rows: LossRows, config, normalizers, old_logprob):
+        self.rows, self.config, self.normalizers, self.old_logprob = rows, config, normalizers, old_logprob
+
+    def __call__(self, logprob, entropy):
+        return compute_loss(logprob, entropy, self.rows, self.config, self.normalizers, self.old_logprob)
+
+    def subset(self, index: Tensor) -> _PolicyLoss:
+        old = self.old_logprob[index] if self.old_logprob is not None else None
+        return _PolicyLoss(self.rows.select(index), self.config, self.normalizers, old)
 
 
 def _with_temperature(config: PolicyLossConfig, temperature: float | None) -> PolicyLossConfig:
