@@ -21,7 +21,7 @@ SRC = Path(harts.__file__).parent
 ALLOWED = {
     "batch_layout": {"batch_layout"},
     "forest": {"batch_layout", "forest"},
-    "data": {"data"},
+    "data": {"batch_layout", "forest", "objectives", "data"},
     "objectives": {"batch_layout", "forest", "objectives"},
     "plan": {"batch_layout", "forest", "plan"},
     "ops": {"batch_layout", "forest", "plan", "ops"},

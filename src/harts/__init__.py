@@ -10,6 +10,7 @@ batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows
 
 from harts.adapters import supported_families
 from harts.batch_layout import BatchLayout
+from harts.data.rollout_files import iter_rollout_steps, read_rollouts
 from harts.forest import Forest, build_forest
 from harts.objectives import (
     ADVANTAGE_ESTIMATORS,
@@ -45,7 +46,7 @@ from harts.train import forest_step, moe_stats, rollout_step
 
 __all__ = [
     # forests and plans
-    "Forest", "build_forest", "BatchLayout", "rollouts_from_batch",
+    "Forest", "build_forest", "BatchLayout", "rollouts_from_batch", "read_rollouts", "iter_rollout_steps",
     "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
