@@ -30,7 +30,7 @@ ALLOWED = {
     "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
     "testing": {"adapters", "testing"},
 }
-TOOLS = {"bench", "demo", "cli", "__init__"}
+TOOLS = {"bench", "demo", "cli", "analyze", "__init__"}
 
 
 def layer_of(module: str) -> str:

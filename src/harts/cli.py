@@ -1,7 +1,8 @@
 """The ``harts`` command: ``harts demo`` and ``harts bench``.
 
 Each subcommand hands its remaining arguments to the module's own ``main`` (``harts.demo``,
-``harts.bench.run``), so ``harts bench --help`` lists the benchmark's options. Nothing else lives here.
+``harts.bench.run``), so ``harts bench --help`` lists the benchmark's options. An error in the
+input is one line on stderr and exit status 2 (``harts --debug ...`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ __all__ = ["main"]
 
 COMMANDS = {
     "demo": "one tree step vs one flat step on a small Ling 3 model (harts.demo)",
+    "analyze": "how much a rollout file shares, the ideal speedup, a picture (harts.analyze)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
     "bench-overhead": "time outside model compute in a budgeted step, 1M-token forest (harts.bench.overhead)",
     "bench-checkpointing": "memory and time with gradient checkpointing (harts.bench.checkpointing)",
@@ -22,19 +24,29 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="harts", description="harts: exact training on rollout forests")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from harts.demo import main as run
+    elif args.command == "analyze":
+        from harts.analyze import main as run
     elif args.command == "bench":
         from harts.bench.run import main as run
     elif args.command == "bench-overhead":
         from harts.bench.overhead import main as run
     else:
         from harts.bench.checkpointing import main as run
-    run(rest)
+    try:
+        run(rest)
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        if args.debug:
+            raise
+        # one line naming what is wrong; --debug shows where
+        print(f"harts {args.command}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""``harts analyze FILE``: how much a rollout file shares, and what a step on it would run.
+
+Reads a rollout file (JSONL or Parquet, :mod:`harts.data.rollout_files`), merges it into a
+forest and reports: trajectories, unique and flat tokens, the redundancy R, roots, nodes, depth
+and branching; for a model (a built-in tiny family, or a local Hugging Face directory, whose
+modules are built on the meta device: no weights are read) the FLOP-ideal speedup of the tree over
+the flat layout and the linear-attention calls per layer of the plan, whole and under a token
+budget. ``--html`` writes a self-contained page with an icicle picture of the forest: one box
+per node, as wide as its tokens (path positions left to right) and as tall as the trajectories
+through it, darker where more trajectories share it.
+
+What this leaves out: the chat form of rollout files, and timing (``harts bench`` measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harts.bench.flops import flop_model, forest_flops
+from harts.data.rollout_files import read_rollouts
+from harts.forest import Forest, build_forest
+from harts.plan.layout import TreeLayout
+from harts.plan.micro_batches import plan_micro_batches
+from harts.testing import FAMILIES, tiny_config
+
+__all__ = ["forest_stats", "plan_stats", "forest_svg", "main"]
+
+
+def forest_stats(forest: Forest) -> dict:
+    """Counts that say how much the forest shares."""
+    parent = forest.node_parent.numpy()
+    children = np.bincount(parent[parent >= 0], minlength=forest.num_nodes)
+    branching = children[children > 1]
+    return dict(
+        trajectories=forest.num_trajectories,
+        unique_tokens=forest.num_tokens,
+        flat_tokens=forest.num_flat_tokens,
+        redundancy=forest.redundancy,
+        roots=int((parent < 0).sum()),
+        nodes=forest.num_nodes,
+        max_depth=forest.max_depth,
+        branch_nodes=int(branching.size),
+        mean_branching=float(branching.mean()) if branching.size else 0.0,
+        max_branching=int(children.max()) if forest.num_nodes else 0,
+    )
+
+
+def _meta_model(model: str):
+    """A model of ``model`` (a family name or a local directory) on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = tiny_config(model) if model in FAMILIES else AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def plan_stats(forest: Forest, trajectories, model: str, budget: int | None) -> dict:
+    """The FLOP-ideal speedup for ``model`` and the linear-attention calls per layer of the plan."""
+    meta = _meta_model(model)
+    fm = flop_model(meta)
+    flat = build_forest(trajectories, share_prefixes=False)
+    out = dict(model=model, ideal_speedup=forest_flops(fm, flat) / forest_flops(fm, forest))
+    if fm.num_linear_layers:
+        for name, b in (("whole", None), ("budget", budget)):
+            if name == "budget" and b is None:
+                continue
+            plan = plan_micro_batches(forest, b)
+            single = plan.num_micro_batches == 1
+            layouts = [TreeLayout(plan.forest, "cpu", None if single else p) for p in plan.parts]
+            out[f"linear_calls_{name}"] = sum(lay.linear_plan.num_calls for lay in layouts)
+            out[f"micro_batches_{name}"] = plan.num_micro_batches
+    return out
+
+
+def forest_svg(forest: Forest, width: int = 960, row_height: int = 6) -> str:
+    """An icicle picture of the forest as an SVG string (one ``<rect>`` per node)."""
+    parent = forest.node_parent.numpy()
+    ends = forest.trajectory_end_node.numpy()
+    # rows: trajectories in the pre-order of their end nodes, so every subtree's rows are contiguous
+    order = np.argsort(ends, kind="stable")
+    row_of = np.empty_like(order)
+    row_of[order] = np.arange(order.size)
+    first = np.full(forest.num_nodes, order.size, dtype=np.int64)
+    last = np.full(forest.num_nodes, -1, dtype=np.int64)
+    for t, node in enumerate(ends.tolist()):
+        n = node
+        while n >= 0 and not (first[n] <= row_of[t] <= last[n]):
+            first[n], last[n] = min(first[n], row_of[t]), max(last[n], row_of[t])
+            n = parent[n]
+    start = forest.node_path_start.numpy()
+    length = forest.node_length.numpy()
+    mult = forest.node_multiplicity.numpy()
+    scale = width / max(int((start + length).max()), 1)
+    height = max(order.size, 1) * row_height
+    boxes = []
+    for n in range(forest.num_nodes):
+        shade = int(235 - 175 * (mult[n] - 1) / max(int(mult.max()) - 1, 1))
+        x, w = start[n] * scale, max(length[n] * scale, 0.5)
+        y, h = first[n] * row_height, (last[n] - first[n] + 1) * row_height
+        tip = (f"node {n}: {length[n]} tokens at positions {start[n]}..{start[n] + length[n] - 1}, "
+               f"{mult[n]} trajectories")  # fmt: skip
+        boxes.append(
+            f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" fill="rgb({shade},{shade},255)" '
+            f'stroke="white" stroke-width="0.5"><title>{html.escape(tip)}</title></rect>'
+        )
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}">' + "".join(boxes) + "</svg>")  # fmt: skip
+
+
+def _page(path: Path, stats: dict, svg: str) -> str:
+    cells = ((html.escape(k), html.escape(str(v))) for k, v in stats.items())
+    rows = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in cells)
+    title = html.escape(path.name)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>harts analyze {title}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 12px}</style></head><body>"
+        f"<h1>{html.escape(path.name)}</h1><table>{rows}</table>"
+        "<p>One box per node: width = its tokens (path positions left to right), height = the "
+        "trajectories through it; darker = shared by more trajectories.</p>"
+        f"{svg}</body></html>"
+    )
+
+
+def analyze(path: str | Path, model: str | None = None, budget: int | None = None) -> tuple[dict, Forest]:
+    rollouts = read_rollouts(path)
+    trajectories = [r.tokens for r in rollouts]
+    forest = build_forest(trajectories)
+    stats = forest_stats(forest)
+    if model is not None:
+        stats.update(plan_stats(forest, trajectories, model, budget))
+    return stats, forest
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="harts analyze", description=__doc__.splitlines()[0])
+    p.add_argument("file", help="rollout file (.jsonl or .parquet)")
+    p.add_argument("--model", help=f"a tiny family ({', '.join(FAMILIES)}) or a local model directory")
+    p.add_argument("--budget", type=int, default=None, help="unique tokens per micro-batch for the plan")
+    p.add_argument("--html", help="write a self-contained page with a picture of the forest")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    a = p.parse_args(argv)
+    stats, forest = analyze(a.file, a.model, a.budget)
+    if a.json:
+        print(json.dumps(stats))
+    else:
+        for key, value in stats.items():
+            print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+    if a.html:
+        Path(a.html).write_text(_page(Path(a.file), stats, forest_svg(forest)))
+        print(f"wrote {a.html}")
+    return stats
+
+
+if __name__ == "__main__":
+    main()
