@@ -13,7 +13,7 @@ import sys
 __all__ = ["main"]
 
 COMMANDS = {
-    "demo": "one tree step vs one flat step on a small Ling 3 model (harts.demo)",
+    "demo": "training steps in tree vs flat layout on a small Ling 3 model (harts.demo)",
     "analyze": "how much a rollout file shares, the ideal speedup, a picture (harts.analyze)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
     "bench-overhead": "time outside model compute in a budgeted step, 1M-token forest (harts.bench.overhead)",

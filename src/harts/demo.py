@@ -1,27 +1,29 @@
-"""``make demo``: one tree step against one flat step on a small Ling 3 (bailing_hybrid) model.
+"""``make demo``: a few training steps in tree layout against the same steps in flat layout.
 
 A randomly initialised model with the Ling 3 architecture (KDA linear layers, an MLA full
 layer with interleaved RoPE and output gate, MoE with a shared expert) and a synthetic agentic
-forest (a long shared system prompt, several turns, branches where earlier-turn thinking is
-dropped). One training step, :func:`harts.rollout_step` with the SFT objective, runs in the tree
-layout and in the flat layout (``share_prefixes=False``: the same code and kernels, each
-trajectory its own root), both in micro-batches of at most ``--budget`` unique tokens, the way a
-trainer bounds memory; the demo prints the redundancy, both times, the speedup (and the
-FLOP-ideal one, see docs/benchmarks.md), and the largest logit, loss and gradient differences
-between the two layouts.
+rollout set (a long shared system prompt, several turns, branches where earlier-turn thinking is
+dropped). From the same seed, ``--steps`` optimizer steps (SFT, AdamW) run once in the tree
+layout and once in the flat layout (``share_prefixes=False``: the same :func:`harts.rollout_step`,
+code and kernels, each trajectory its own root), both in micro-batches of at most ``--budget``
+unique tokens, the way a trainer bounds memory. The demo prints the redundancy, the loss of
+every step side by side (equal up to fp32 rounding), the time per step, each layout's tensor
+peak for one step, and the speedup beside the FLOP-ideal one (docs/benchmarks.md).
 
-Usage: ``python -m harts.demo [--system-len 1000] [--budget 2048] [--seed 0]``.
+Usage: ``python -m harts.demo [--steps 3] [--budget 2048] [--system-len 1000] [--seed 0]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 import harts
 from harts.bench.flops import flop_model, ideal_speedup
+from harts.bench.memory import tensor_peak_bytes
 from harts.data.synthetic import agentic
 from harts.testing import tiny_model
 
@@ -42,22 +44,42 @@ DEMO_MODEL = dict(
 )
 
 
-def step(model, rollouts, share_prefixes: bool, budget: int) -> tuple[float, float, dict[str, torch.Tensor]]:
-    """One forward+backward of the summed next-token log-probs; returns time, loss, gradients."""
-    model.zero_grad(set_to_none=True)
-    sft, total = harts.PolicyLossConfig(kind="sft"), torch.tensor(1.0)
-    start = time.perf_counter()
-    result = harts.rollout_step(model, rollouts, sft, normalizers=harts.Normalizers(total, total),
-                                budget_tokens=budget, share_prefixes=share_prefixes)  # fmt: skip
-    elapsed = time.perf_counter() - start
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return elapsed, float(result.loss), grads
+SFT = harts.PolicyLossConfig(kind="sft")  # token-mean cross entropy over every next token
+
+
+def train(model, rollouts, share_prefixes: bool, budget: int, steps: int, seed: int):
+    """``steps`` SFT optimizer steps from the model's current weights (restored after); returns
+    the loss and the seconds of each step and the final weights."""
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, seconds = [], []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        result = harts.rollout_step(model, rollouts, SFT, budget_tokens=budget, share_prefixes=share_prefixes)
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(result.loss))
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(initial)
+    return losses, seconds, final
+
+
+def peak_mib(model, rollouts, share_prefixes: bool, budget: int) -> float:
+    """Tensor peak of one step (forward and backward), in MiB."""
+
+    def step():
+        harts.rollout_step(model, rollouts, SFT, budget_tokens=budget, share_prefixes=share_prefixes)
+
+    return tensor_peak_bytes(step, lambda: model.zero_grad(set_to_none=True)) / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens")
     parser.add_argument("--budget", type=int, default=2048, help="unique tokens per micro-batch")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -82,24 +104,29 @@ def main(argv: list[str] | None = None) -> None:
     print(f"forest: {tree.describe()}")
 
     rollouts = [harts.Rollout(t) for t in trajectories]
-    step(model, rollouts, True, args.budget)  # warm-up: first-call allocations and lazy initialisation
-    t_tree, loss_tree, g_tree = step(model, rollouts, True, args.budget)
-    t_flat, loss_flat, g_flat = step(model, rollouts, False, args.budget)
+    train(model, rollouts, True, args.budget, 1, args.seed)  # warm-up: first-call allocations
+    tree_loss, tree_s, tree_w = train(model, rollouts, True, args.budget, args.steps, args.seed)
+    flat_loss, flat_s, flat_w = train(model, rollouts, False, args.budget, args.steps, args.seed)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines
+    peaks = [peak_mib(model, rollouts, share, args.budget) for share in (True, False)]
     with torch.no_grad():
         out_t, out_f = harts.forward(model, tree), harts.forward(model, flat)
         logit_diff = max(
             (out_t.trajectory_logits(i) - out_f.trajectory_logits(i)).abs().max().item()
             for i in range(tree.num_trajectories)
         )
-    grad_err = max((g_tree[n] - g_flat[n]).norm().item() / max(g_flat[n].norm().item(), 1e-6) for n in g_flat)
+    weight_diff = max((tree_w[k] - w).abs().max().item() for k, w in flat_w.items() if w.is_floating_point())
 
-    print(f"redundancy (flat tokens / unique tokens): {tree.redundancy:.2f}")
-    print(f"tree step (harts.rollout_step, budget {args.budget}): {t_tree:.3f} s")
-    print(f"flat step (share_prefixes=False, budget {args.budget}): {t_flat:.3f} s")
+    print(f"redundancy (flat / unique tokens): {tree.redundancy:.2f}; budget {args.budget} unique tokens")
+    print("step   loss tree      loss flat      s tree   s flat")
+    for n, (lt, lf, st, sf) in enumerate(zip(tree_loss, flat_loss, tree_s, flat_s, strict=True), start=1):
+        print(f"{n:>4}   {lt:<13.7f}  {lf:<13.7f}  {st:6.2f}   {sf:6.2f}")
+    t_tree, t_flat = sum(tree_s) / len(tree_s), sum(flat_s) / len(flat_s)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(tree_loss, flat_loss, strict=True))
     print(f"speedup: {t_flat / t_tree:.2f}x (FLOP-ideal {ideal_speedup(flop_model(model), tree, flat):.2f}x)")
-    print(f"max |logit diff| tree vs flat: {logit_diff:.2e}")
-    print(f"loss relative diff tree vs flat: {abs(loss_tree - loss_flat) / abs(loss_flat):.2e}")
-    print(f"max gradient relative diff tree vs flat: {grad_err:.2e}")
+    print(f"tensor peak of one step: tree {peaks[0]:.1f} MiB, flat {peaks[1]:.1f} MiB")
+    print(f"max loss relative diff tree vs flat: {loss_diff:.1e}; max weight diff after {args.steps} steps: "
+          f"{weight_diff:.1e}; max |logit diff| of the initial model: {logit_diff:.1e}")  # fmt: skip
 
 
 if __name__ == "__main__":
