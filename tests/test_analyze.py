@@ -9,6 +9,7 @@ from harts.analyze import forest_svg, main
 from harts.cli import main as cli
 from harts.data.synthetic import agentic
 from harts.forest import build_forest
+from harts.testing import FAMILIES
 
 
 def _file(tmp_path):
@@ -22,7 +23,7 @@ def _file(tmp_path):
 def test_figures_match_the_forest_and_the_plan(tmp_path, capsys):
     path, trajectories = _file(tmp_path)
     forest = build_forest(trajectories)
-    stats = main([str(path), "--model", "bailing_hybrid", "--budget", "64", "--json"])
+    stats = main([str(path), "--model", FAMILIES[0], "--budget", "64", "--json"])  # a hybrid family
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     assert printed == stats
     assert stats["trajectories"] == len(trajectories) and stats["unique_tokens"] == forest.num_tokens
@@ -58,3 +59,6 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
     assert err.count("\n") == 0 and "harts analyze: error:" in err and "line 2, position 1" in err
     with pytest.raises(ValueError, match="negative token id"):
         cli(["--debug", "analyze", str(bad)])
+    good, _ = _file(tmp_path)
+    with pytest.raises(ValueError, match="neither a family .* nor a local directory"):
+        main([str(good), "--model", "no-such-model"])  # never a download

@@ -27,7 +27,7 @@ from harts.data.rollout_files import read_rollouts
 from harts.forest import Forest, build_forest
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches
-from harts.testing import FAMILIES, tiny_config
+from harts.testing import ALL_FAMILIES, FAMILIES, tiny_config
 
 __all__ = ["forest_stats", "plan_stats", "forest_svg", "main"]
 
@@ -55,7 +55,13 @@ def _meta_model(model: str):
     """A model of ``model`` (a family name or a local directory) on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = tiny_config(model) if model in FAMILIES else AutoConfig.from_pretrained(model)
+    if model in ALL_FAMILIES:
+        config = tiny_config(model)  # FamilyUnavailable when the installed transformers lacks it
+    elif Path(model).is_dir():
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    else:
+        families = ", ".join(FAMILIES)
+        raise ValueError(f"--model {model!r} is neither a family ({families}) nor a local directory")
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
