@@ -52,7 +52,7 @@ class SequenceLoss:
 
     def __call__(self, logprob, entropy):
         w, traj = self.w[self.rows], self.traj[self.rows]
-        seq_mean = torch.zeros(self.forest.num_trajectories).index_add(0, traj, logprob)
+        seq_mean = torch.zeros(self.forest.num_trajectories, dtype=logprob.dtype).index_add(0, traj, logprob)
         seq_mean = seq_mean / (self.forest.trajectory_length - 1).clamp(min=1)
         present = torch.zeros(self.forest.num_trajectories, dtype=torch.bool)
         present[traj] = True
@@ -97,8 +97,7 @@ def test_whole_trees_run_once_under_a_separable_loss(family):
     for budget in (9, 4):  # 9: two parts of whole trees; 4: one (a 3-token tree)
         plain, plain_grads = _step(model, forest, budget)
         once, grads = _step(model, forest, budget, separable=True)
-        whole = sum(1 for lay in once.layouts if not lay.root_state_source and not lay.export_token_ids.size
-                    and not lay.export_nodes)  # fmt: skip
+        whole = sum(1 for lay in once.layouts if lay.self_contained)
         assert whole >= 1 and once.num_cuts >= 1, "a mixed plan: whole trees and a cut tree"
         cut = once.num_micro_batches - whole
         assert once.part_forwards == whole + 2 * cut - 1
@@ -198,3 +197,16 @@ def test_cut_trees_are_balanced_and_count_their_context(weight):
 def test_context_weight_must_lie_in_unit_interval():
     with pytest.raises(ValueError, match="context_weight"):
         plan_micro_batches(harts.build_forest([[1, 2, 3]]), 2, context_weight=1.5)
+
+
+def test_fp64_model_keeps_fp64_rows_across_cuts():
+    """A cut tree's loss reads the kept row log-probs: in an fp64 model they stay fp64."""
+    from harts.testing import tiny_model
+
+    model = tiny_model("llama", seed=3, dtype=torch.float64)
+    forest = harts.build_forest(SPLIT_FORESTS["stacked-branches"])
+    ref, ref_grads = _step(model, forest, None)
+    got, grads = _step(model, forest, 4)
+    assert got.num_cuts >= 1 and got.logprob.dtype == torch.float64
+    errors = grad_relative_errors(grads, ref_grads)
+    assert max(errors.values()) <= 1e-10, max(errors.items(), key=lambda kv: kv[1])

@@ -125,13 +125,16 @@ class TreeLayout:
         self.build_seconds += time.perf_counter() - start
 
     def _own_rows(self, global_ids: np.ndarray) -> np.ndarray:
-        """Local index of each global token id, which must belong to this part (ids ascending)."""
-        rows = np.searchsorted(self.global_tokens, global_ids)
-        if global_ids.size and not np.array_equal(
-            self.global_tokens[np.minimum(rows, self.num_tokens - 1)], global_ids
-        ):
+        """Local index of each global token id, which must belong to this part."""
+        rows = self.key_rows(global_ids) - self.num_external
+        if (rows < 0).any():
             raise AssertionError("a part exports a token it does not hold")
         return rows
+
+    @property
+    def self_contained(self) -> bool:
+        """Whole trees: the part reads nothing from earlier parts and hands nothing on."""
+        return not (self.root_state_source or self.export_token_ids.size or self.export_nodes)
 
     def key_rows(self, global_ids: np.ndarray) -> np.ndarray:
         """Key-space row of each global token id: external rows first, then own tokens; -1 if unseen."""

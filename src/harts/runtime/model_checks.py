@@ -115,32 +115,24 @@ def check_model(model: nn.Module) -> None:
                 f"(attention dropout has no tree form, and a shared token would need one mask per "
                 f"trajectory); set the dropout to 0 or call model.eval()"
             )
+    names = {id(module): name for name, module in model.named_modules()}  # one walk, not one per layer
     backbone = adapter.backbone(model)
-    not_called = {"": model, _name_in(model, backbone): backbone}
+    not_called = [model, backbone]
     for i, layer in enumerate(backbone.layers[: model.config.num_hidden_layers]):
-        layer_name = _name_in(model, layer) or f"layers.{i}"
-        not_called[layer_name] = layer
         mixer_module, _ = adapter.mixer(layer, adapter.layer_type(model, i))
-        not_called[_name_in(model, mixer_module)] = mixer_module
+        not_called += [layer, mixer_module]
         conv = getattr(mixer_module, "conv1d", None)
         if conv is not None and (type(conv) is not nn.Conv1d or hooked(conv)):
             raise ValueError(
-                f"{_name_in(model, conv)} is a {type(conv).__name__}"
+                f"{names[id(conv)]} is a {type(conv).__name__}"
                 f"{' with hooks' if hooked(conv) else ''}: "
                 f"harts reads the short convolution's weight directly, so an adapter or hook on it would "
                 f"be skipped; leave the convolution out of the adapter's target modules"
             )
-    for name, module in not_called.items():
+    for module in not_called:
         if hooked(module):
             raise ValueError(
-                f"a hook on {name or 'the model'} ({type(module).__name__}) would not run: harts runs this "
-                f"module's parts over the forest, not its forward; register the hook on a submodule harts "
-                f"calls (embedding, norms, mlp, projections, lm_head) or remove it"
+                f"a hook on {names[id(module)] or 'the model'} ({type(module).__name__}) would not "
+                f"run: harts runs this module's parts over the forest, not its forward; register the "
+                f"hook on a submodule harts calls (embedding, norms, mlp, projections, lm_head) or remove it"
             )
-
-
-def _name_in(model: nn.Module, target: nn.Module) -> str:
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    return type(target).__name__

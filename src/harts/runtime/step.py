@@ -240,17 +240,6 @@ def forest_backward(
                           {k: v.detach() for k, v in metrics.items()}, timings=timings,
                           part_forwards=forwards)  # fmt: skip
 
-    if len(layouts) == 1:
-        observer.before_part(0, layouts[0], True)
-        hidden, _ = run_layout(model, layouts[0], recompute_linear=run.recompute_linear)
-        logp, ent = head_rows(hidden, predictor.to(device), target.to(device))
-        extra = observer.after_part(0, layouts[0], True, True)
-        loss, metrics = _split_loss(loss_fn(logp, ent))
-        total = loss if extra is None else loss + extra
-        if total.requires_grad:  # nothing to differentiate when every parameter is frozen
-            total.backward()
-        return result(loss, metrics, logp.detach(), ent.detach(), 1)
-
     # rows of each part: those whose predicting token it holds
     part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
     local_index = np.empty(forest.num_tokens, dtype=np.int64)
@@ -290,8 +279,10 @@ def forest_backward(
                 lp, en = head_rows(hidden, local, target[rows].to(device))
         return _PartRun(exports, lp, en, leaves, observer.after_part(p, lay, first, grad))
 
-    logp = torch.empty(predictor.numel(), device=device)
-    ent = torch.empty(predictor.numel(), device=device)
+    # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
+    dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
+    logp = torch.empty(predictor.numel(), device=device, dtype=dtype)
+    ent = torch.empty(predictor.numel(), device=device, dtype=dtype)
 
     def keep_rows(p: int, part_run: _PartRun) -> None:
         rows = torch.as_tensor(row_parts[p], device=device)
@@ -301,12 +292,13 @@ def forest_backward(
 
     # Parts that hold whole trees neither read from nor hand to other parts. With a loss that is a
     # sum over trajectories of each one's own rows (``loss_fn.subset``), such a part runs forward
-    # and backward once, on its own rows, as a flat trainer runs a micro-batch. Everything else (cut
-    # trees; any part when the loss couples all rows, or the observer needs the whole step's
-    # statistics first) takes the three passes below.
+    # and backward once, on its own rows, as a flat trainer runs a micro-batch; so does the single
+    # part of a forest that fits the budget, whatever the loss. Everything else (cut trees; any
+    # part when the loss couples all rows, or the observer needs the whole step's statistics
+    # first) takes the three passes below.
+    single = len(layouts) == 1
     separable = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
-    whole = [p for p, lay in enumerate(layouts) if separable and not lay.root_state_source
-             and not lay.export_token_ids.size and not lay.export_nodes]  # fmt: skip
+    whole = [p for p, lay in enumerate(layouts) if (single or separable) and lay.self_contained]
     whole_set = set(whole)
     cut = [p for p in range(len(layouts)) if p not in whole_set]
     loss = torch.zeros((), device=device)
@@ -323,15 +315,18 @@ def forest_backward(
         part_run = forward_part(p, grad=True, first=True)
         forwards += 1
         keep_rows(p, part_run)
-        if not row_parts[p].size:
-            continue
-        rows = torch.as_tensor(row_parts[p], device=device)
-        part_loss, part_metrics = _split_loss(loss_fn.subset(rows)(part_run.logprob, part_run.entropy))
-        total = part_loss if part_run.extra is None else part_loss + part_run.extra
-        if total.requires_grad:
+        terms = [] if part_run.extra is None else [part_run.extra]
+        if single and not row_parts[p].size:  # a forest without rows: the loss of none
+            add(*_split_loss(loss_fn(logp, ent)))
+        elif row_parts[p].size:
+            part_loss_fn = loss_fn if single else loss_fn.subset(torch.as_tensor(row_parts[p], device=device))
+            part_loss, part_metrics = _split_loss(part_loss_fn(part_run.logprob, part_run.entropy))
+            terms.append(part_loss)
+            add(part_loss, part_metrics)
+        total = sum(terms[1:], terms[0]) if terms else None
+        if total is not None and total.requires_grad:  # nothing to differentiate when all is frozen
             total.backward()
-        add(part_loss, part_metrics)
-        del part_run, total
+        del part_run, terms, total
     if not cut:
         return result(loss, metrics, logp, ent, forwards)
 

@@ -42,7 +42,7 @@ from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import check_inputs, model_device, resolve_model
+from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.step import StepResult, forest_backward
 from harts.train.moe import MoEObserver, resolve_aux_coef
@@ -120,11 +120,9 @@ def forest_step(
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
     model = resolve_model(model)
-    if normalizers is None:
-        if isinstance(rows, LossRows):
-            normalizers = normalizers_for(rows)
-    _check_inputs(forest, rows, config, normalizers, old_logprob)
-    check_inputs(model, forest)
+    if normalizers is None and isinstance(rows, LossRows):
+        normalizers = normalizers_for(rows)
+    _check_inputs(forest, rows, config, normalizers, old_logprob)  # the model's own: forest_backward's
     aux_coef = resolve_aux_coef(moe, model) if moe is not None else 0.0
     device = model_device(model)
     if rows.device != device:
@@ -179,8 +177,6 @@ def rollout_step(
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
     model = resolve_model(model)
-    if moe is not None:
-        resolve_aux_coef(moe, model)
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
     checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
