@@ -93,25 +93,24 @@ class MoEObserver(PartObserver):
 
     def after_part(self, part: int, layout: TreeLayout, first: bool, grad: bool) -> Tensor | None:
         weight = layout.local.token_multiplicity.to(layout.device)
-        logits = self.recorder.logits if self.has_aux else None
+        needs_term = grad and self.has_aux and self.aux_coef > 0
+        sums = None
+        if self.has_aux and (first or needs_term):  # one pass over the logits serves both uses
+            sums = routing_sums(self.recorder.logits, weight, self.recorder.top_k)
         if first:
             counts = expert_counts(self.recorder.indices, weight, self.recorder.num_experts)
             self.counts = counts if self.counts is None else self.counts + counts
             self.tokens += int(weight.sum())
-            if self.has_aux:
-                routed, prob_sum, total = routing_sums(
-                    [z.detach() for z in logits], weight, self.recorder.top_k
-                )
+            if sums is not None:
+                routed, prob_sum, total = (t.detach() for t in sums)
                 self.routed = routed if self.routed is None else self.routed + routed
                 self.prob_sum = prob_sum if self.prob_sum is None else self.prob_sum + prob_sum
                 self.total = total if self.total is None else self.total + total
-        if not (grad and self.has_aux and self.aux_coef > 0):
-            self.recorder.clear()
+        self.recorder.clear()
+        if not needs_term:
             return None
         # f from the whole step (every part's first forward has run), P from this part only
-        _, part_probs, _ = routing_sums(logits, weight, self.recorder.top_k)
-        self.recorder.clear()
-        return self.aux_coef * aux_loss_from_sums(self.routed, part_probs, self.total)
+        return self.aux_coef * aux_loss_from_sums(self.routed, sums[1], self.total)
 
     def stats(self) -> MoEStats:
         aux = aux_loss_from_sums(self.routed, self.prob_sum, self.total) if self.has_aux else None
