@@ -1,4 +1,4 @@
-"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train; objectives pure.
+"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train <- trainer; objectives pure.
 
 ``batch_layout`` (where trajectories sit in padded or packed tensors) sits with the forest, below
 everything.
@@ -30,6 +30,8 @@ ALLOWED = {
     "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
     "testing": {"adapters", "testing"},
 }
+# training runs (harts train): every layer above and the tiny models; nothing below imports it
+ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}
 TOOLS = {"bench", "demo", "cli", "analyze", "__init__"}
 
 

@@ -1,8 +1,9 @@
-"""The ``harts`` command: ``harts demo`` and ``harts bench``.
+"""The ``harts`` command: ``harts train``, ``harts demo``, ``harts analyze`` and ``harts bench``.
 
 Each subcommand hands its remaining arguments to the module's own ``main`` (``harts.demo``,
-``harts.bench.run``), so ``harts bench --help`` lists the benchmark's options. An error in the
-input is one line on stderr and exit status 2 (``harts --debug ...`` shows the traceback).
+``harts.trainer.command``, ``harts.bench.run``), so ``harts train --help`` lists the training
+run's options. An error in the input is one line on stderr and exit status 2 (``harts --debug
+...`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 __all__ = ["main"]
 
 COMMANDS = {
+    "train": "a training run from a TOML config, with checkpoints and resume (harts.trainer.command)",
     "demo": "training steps in tree vs flat layout on a small Ling 3 model (harts.demo)",
     "analyze": "how much a rollout file shares, the ideal speedup, a picture (harts.analyze)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
@@ -29,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
+    if args.command == "train":
+        from harts.trainer.command import main as run
+    elif args.command == "demo":
         from harts.demo import main as run
     elif args.command == "analyze":
         from harts.analyze import main as run

@@ -1,0 +1,19 @@
+"""``harts train``: a training run from a TOML config, on top of :func:`harts.rollout_step`'s step.
+
+The layer above ``train`` and ``data``: it owns what a run needs beyond one step (config,
+optimizers and schedules, the loop, checkpoints that survive a kill, progress and metrics).
+
+- ``config``: the TOML file as typed, validated dataclasses (``load_config``);
+- ``optim``: AdamW, or Muon on hidden matrices and AdamW on the rest; router freezing; schedules;
+- ``inputs``: the model, the data stream and position, the random states;
+- ``checkpoint``: atomic checkpoint directories with a manifest, verified before loading;
+- ``progress``: the progress line, ``metrics.jsonl``, TensorBoard, the plot;
+- ``loop``: ``train(config, out, resume)``; ``command``: the ``harts train`` command line.
+
+Guide and config reference: ``docs/training.md``.
+"""
+
+from harts.trainer.config import TrainConfig, load_config
+from harts.trainer.loop import train
+
+__all__ = ["TrainConfig", "load_config", "train"]

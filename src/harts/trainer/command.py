@@ -1,0 +1,76 @@
+"""``harts train CONFIG.toml [--out DIR] [--resume]``: a training run from a config file.
+
+Exit status: 0 when the run is done; 2 for bad input (config, data, a refused checkpoint: one
+line on stderr, the traceback under ``harts --debug``); 1 when a step's loss or gradient is not
+finite; 130 after Ctrl-C and 143 after SIGTERM, with the last complete checkpoint left as it
+is, for ``--resume`` to continue from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+EPILOG = """\
+files written under OUT:
+  metrics.jsonl                       one JSON object per optimizer step
+  metrics.png                         loss and metrics against the step (when matplotlib is installed)
+  checkpoints/step-NNNNNN/            the model (save_pretrained: AutoModelForCausalLM.from_pretrained
+                                      loads it), optimizer, scheduler and RNG states, data position,
+                                      the config; manifest.json (sizes, sha256) is written last
+exit status: 0 done, 1 a non-finite step, 2 bad input, 130 interrupted (143 on SIGTERM)
+config reference: docs/training.md"""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so the run stops the way Ctrl-C stops it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(
+        prog="harts train",
+        usage="harts train CONFIG.toml [--out DIR] [--resume]",
+        description="Train a causal LM on a rollout file, every shared prefix token computed once.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", metavar="CONFIG.toml", help="the run's config (docs/training.md)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: the config's out, else "
+                        "runs/<config name>)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
+                        "in DIR (verified first; starts from step 0 when there is none)")  # fmt: skip
+    args = parser.parse_args(argv)
+
+    from harts.trainer.config import load_config
+    from harts.trainer.loop import TrainingDiverged, train
+
+    config = load_config(args.config)
+    out = Path(args.out) if args.out else config.out or Path("runs") / Path(args.config).stem
+    handle = _main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
+    try:
+        return train(config, out, resume=args.resume)
+    except _Terminated:
+        raise SystemExit(143) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except TrainingDiverged as exc:
+        print(f"harts train: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if handle:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

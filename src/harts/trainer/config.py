@@ -1,0 +1,441 @@
+"""The config of ``harts train``: one TOML file read into typed, validated dataclasses.
+
+Why a typed layer over the TOML table: a typo in a key (``lerning_rate``) or a value of the wrong
+type would otherwise be ignored or fail deep inside a run. Every key is checked here, before a
+model loads, and every error is one line naming the file and the key (``train.toml:
+optimizer.lr: expected a number, got 'fast' (str)``); an unknown key lists the valid ones.
+
+Layout (every key, its default and meaning: ``docs/training.md``)::
+
+    seed, steps | epochs, max_grad_norm, threads, out      top-level keys
+    [model]      path (local HF directory) | tiny (family), seed, dtype, device, gradient_checkpointing
+    [data]       path (.jsonl / .parquet), rollouts_per_step, tokenizer
+    [objective]  the fields of harts.PolicyLossConfig, advantage, advantage_params, max_length
+    [run]        the harts.RunConfig fields that make sense in a file
+    [optimizer]  kind (adamw | muon), lr, muon_lr, weight_decay, betas, eps, momentum, adjust_lr,
+                 freeze_router
+    [schedule]   kind (constant | linear | cosine), warmup_steps, min_lr_ratio
+    [checkpoint] every, keep_last
+    [logging]    every, tensorboard, plot
+    [moe]        enabled, aux_loss_coef, bias_update_speed
+
+Relative paths are resolved against the config file's directory, so a config and its data can
+move together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from harts.adapters import FamilyUnavailable, adapter_for_type
+from harts.objectives.advantages import (
+    AdvantageEstimator,
+    dr_grpo_advantages,
+    grpo_advantages,
+    pitfall_advantages,
+    rloo_advantages,
+    tree_advantages,
+)
+from harts.objectives.losses import Aggregation, KLEstimator, LossKind, PolicyLossConfig
+from harts.plan.waves import PlanMode
+from harts.runtime.config import RunConfig
+from harts.testing import ALL_FAMILIES
+
+__all__ = [
+    "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
+    "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "load_config", "parse_config",
+    "DTYPES",
+]  # fmt: skip
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _one_of(key: str, value: Any, valid) -> None:
+    valid = [str(v) for v in valid]
+    if value not in valid:
+        raise ValueError(f"{key}: expected one of {', '.join(valid)}; got {value!r}")
+
+
+def _positive_int(key: str, value, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ValueError(f"{key}: expected {'a non-negative' if allow_zero else 'a positive'} integer, "
+                         f"got {value}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to train: a local Hugging Face directory (``path``) or a built-in tiny model (``tiny``)."""
+
+    path: Path | None = None
+    tiny: str | None = None
+    seed: int | None = None  # the tiny model's init seed; None: the top-level seed
+    dtype: str = "float32"
+    device: str = "cpu"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError(
+                f"model: give exactly one of path (a local Hugging Face directory) or tiny "
+                f"(one of {', '.join(ALL_FAMILIES)})"
+            )
+        if self.tiny is not None:
+            _one_of("model.tiny", self.tiny, ALL_FAMILIES)
+            try:
+                adapter_for_type(self.tiny)
+            except FamilyUnavailable as exc:  # kept as such: tests skip, saying so
+                raise FamilyUnavailable(f"model.tiny: {exc}") from None
+        _one_of("model.dtype", self.dtype, DTYPES)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The rollout file, read in order, ``rollouts_per_step`` (groups kept whole) per optimizer step."""
+
+    path: Path
+    rollouts_per_step: int
+    tokenizer: Path | None = None  # for files of chat messages (harts.data.rollout_files)
+
+    def __post_init__(self):
+        _positive_int("data.rollouts_per_step", self.rollouts_per_step)
+
+
+# estimator name -> the function whose keyword parameters ``advantage_params`` may set
+_ESTIMATOR_FUNCTIONS = {
+    AdvantageEstimator.GRPO: grpo_advantages,
+    AdvantageEstimator.DR_GRPO: dr_grpo_advantages,
+    AdvantageEstimator.RLOO: rloo_advantages,
+    AdvantageEstimator.TREE: tree_advantages,
+    AdvantageEstimator.PITFALL: pitfall_advantages,
+}
+_ESTIMATOR_INPUTS = {"reward", "group", "forest", "rows"}
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The loss: :class:`harts.PolicyLossConfig`'s fields, and how the step gets its advantages.
+
+    ``advantage`` names an estimator (``harts.ADVANTAGE_ESTIMATORS``) run on each step's rows
+    from the rollouts' rewards and group ids; ``max_length`` is Dr. GRPO's constant for the
+    ``seq-mean-token-sum-norm`` aggregation.
+    """
+
+    kind: str = "ppo"
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    aggregation: str = "token-mean"
+    temperature: float = 1.0
+    advantage: str | None = None
+    advantage_params: dict = field(default_factory=dict)
+    max_length: float | None = None
+
+    def __post_init__(self):
+        _one_of("objective.kind", self.kind, [k.value for k in LossKind])
+        _one_of("objective.kl_estimator", self.kl_estimator, [k.value for k in KLEstimator])
+        _one_of("objective.aggregation", self.aggregation, [a.value for a in Aggregation])
+        try:
+            self.loss_config()
+        except ValueError as exc:
+            raise ValueError(f"objective: {exc}") from None
+        if self.advantage is None:
+            if self.advantage_params:
+                raise ValueError("objective.advantage_params: set objective.advantage to use them")
+        else:
+            _one_of("objective.advantage", self.advantage, [a.value for a in AdvantageEstimator])
+            fn = _ESTIMATOR_FUNCTIONS[AdvantageEstimator(self.advantage)]
+            allowed = [p for p in inspect.signature(fn).parameters if p not in _ESTIMATOR_INPUTS]
+            for name, value in self.advantage_params.items():
+                if name not in allowed:
+                    raise ValueError(
+                        f"objective.advantage_params: {self.advantage} takes no parameter {name!r}; "
+                        f"valid: {', '.join(allowed) or 'none'}"
+                    )
+                _convert(f"objective.advantage_params.{name}", value, float)
+        if self.max_length is not None and not self.max_length > 0:
+            raise ValueError(f"objective.max_length: expected a positive number, got {self.max_length}")
+        if self.aggregation == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM.value and self.max_length is None:
+            raise ValueError("objective.max_length: seq-mean-token-sum-norm needs Dr. GRPO's constant "
+                             "(e.g. the generation budget in tokens)")  # fmt: skip
+
+    def loss_config(self) -> PolicyLossConfig:
+        names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+        return PolicyLossConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """:class:`harts.RunConfig`: how each step's forest is run (time and memory, never the result)."""
+
+    budget_tokens: int | None = None
+    context_weight: float = RunConfig.context_weight
+    linear_plan: str = "auto"
+    chunk_rows: int = RunConfig.chunk_rows
+    recompute_linear: bool = False
+
+    def __post_init__(self):
+        _one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
+        try:
+            self.run_config()
+        except ValueError as exc:
+            raise ValueError(f"run: {exc}") from None
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW on everything, or Muon on the hidden 2-D matrices and AdamW on the rest (``optim.py``)."""
+
+    kind: str = "adamw"
+    lr: float = 1e-5
+    muon_lr: float | None = None  # None: lr (with adjust_lr = "match_rms_adamw" the same scale fits)
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.95  # Muon's
+    adjust_lr: str = "match_rms_adamw"  # Muon's learning-rate scaling (torch.optim.Muon adjust_lr_fn)
+    freeze_router: bool = False
+
+    def __post_init__(self):
+        _one_of("optimizer.kind", self.kind, ("adamw", "muon"))
+        _one_of("optimizer.adjust_lr", self.adjust_lr, ("match_rms_adamw", "original"))
+        for key in ("lr", "muon_lr"):
+            value = getattr(self, key)
+            if value is not None and not (0 < value < math.inf):
+                raise ValueError(f"optimizer.{key}: expected a positive number, got {value}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optimizer.weight_decay: expected >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas: expected two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps: expected a positive number, got {self.eps}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"optimizer.momentum: expected a number in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate factor per step: linear warm-up, then constant, linear or cosine decay."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the factor linear and cosine decay approach (reached one step past the last)
+
+    def __post_init__(self):
+        _one_of("schedule.kind", self.kind, ("constant", "linear", "cosine"))
+        _positive_int("schedule.warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"schedule.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (0: only at the end); the last step always saves
+    keep_last: int = 3
+
+    def __post_init__(self):
+        _positive_int("checkpoint.every", self.every, allow_zero=True)
+        _positive_int("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 1  # steps between progress lines (metrics.jsonl gets every step)
+    tensorboard: bool = False
+    plot: bool = True
+
+    def __post_init__(self):
+        _positive_int("logging.every", self.every)
+
+
+@dataclass(frozen=True)
+class MoESection:
+    """MoE statistics and balancing (``harts.MoEConfig``); MoE families only."""
+
+    enabled: bool = False
+    aux_loss_coef: float | None = None  # None: the model config's, for aux-loss families
+    bias_update_speed: float = 0.0  # bias-balanced families: score-correction bias step after each update
+
+    def __post_init__(self):
+        if (self.aux_loss_coef is not None or self.bias_update_speed) and not self.enabled:
+            raise ValueError("moe: set moe.enabled = true to use aux_loss_coef or bias_update_speed")
+        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
+            raise ValueError(f"moe.aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
+        if not self.bias_update_speed >= 0:
+            raise ValueError(f"moe.bias_update_speed: expected >= 0, got {self.bias_update_speed}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole run. ``steps`` or ``epochs`` (default: one epoch) sets its length."""
+
+    model: ModelConfig
+    data: DataConfig
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    run: RunSection = field(default_factory=RunSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoESection = field(default_factory=MoESection)
+    seed: int = 0
+    steps: int | None = None
+    epochs: int | None = None
+    max_grad_norm: float | None = 1.0  # None or 0: no clipping (the norm is still reported)
+    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    out: Path | None = None  # --out overrides; None: runs/<config name>
+    # where it came from (not TOML keys)
+    source: Path | None = field(default=None, compare=False)
+    text: str = field(default="", compare=False, repr=False)
+    table: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("steps and epochs: give one (steps counts optimizer steps, epochs passes over "
+                             "the file)")  # fmt: skip
+        _positive_int("steps", self.steps)
+        _positive_int("epochs", self.epochs)
+        _positive_int("threads", self.threads)
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm: expected >= 0, got {self.max_grad_norm}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "objective": ObjectiveConfig, "run": RunSection,
+    "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig, "moe": MoESection,
+}  # fmt: skip
+_NOT_KEYS = {"source", "text", "table"}
+_PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out")}
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _convert(key: str, value, hint):
+    """``value`` as ``hint`` (TOML has no null, so ``X | None`` takes an X); errors name ``key``."""
+    if get_origin(hint) is Union or type(hint).__name__ == "UnionType":
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    origin = get_origin(hint) or hint
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true or false, got {_describe(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {_describe(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ValueError(f"{key}: expected a number, got {_describe(value)}")
+        return float(value)
+    if hint is str or hint is Path:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {_describe(value)}")
+        return Path(value) if hint is Path else value
+    if origin is tuple:
+        items = get_args(hint)
+        if not isinstance(value, list) or len(value) != len(items):
+            raise ValueError(f"{key}: expected a list of {len(items)} numbers, got {_describe(value)}")
+        return tuple(_convert(f"{key}[{i}]", v, h) for i, (v, h) in enumerate(zip(value, items, strict=True)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a table, got {_describe(value)}")
+        return dict(value)
+    raise TypeError(f"{key}: no converter for {hint}")  # pragma: no cover - a field type without one
+
+
+def _build(cls, table: dict, section: str, base: Path):
+    """``cls`` from one TOML table: unknown keys refused (listing the valid ones), types checked."""
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_KEYS and f.name not in SECTIONS]
+    where = f"[{section}]" if section else "the top level"
+    kwargs = {}
+    for key, value in table.items():
+        dotted = f"{section}.{key}" if section else key
+        if key not in names:
+            if not section and isinstance(value, dict):
+                raise ValueError(f"unknown section [{key}]; valid sections: {', '.join(SECTIONS)}")
+            raise ValueError(f"{dotted}: unknown key in {where}; valid keys: {', '.join(names)}")
+        value = _convert(dotted, value, hints[key])
+        if (section, key) in _PATH_KEYS:
+            value = (base / value.expanduser()).resolve()
+        kwargs[key] = value
+    missing = [f.name for f in dataclasses.fields(cls) if f.name in names and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    if missing:
+        raise ValueError(f"{section + '.' if section else ''}{missing[0]}: required key missing in {where}")
+    return cls(**kwargs)
+
+
+def parse_config(table: dict, base: Path, source: Path | None = None, text: str = "") -> TrainConfig:
+    """A :class:`TrainConfig` from a parsed TOML table; relative paths resolved against ``base``."""
+    top = {k: v for k, v in table.items() if k not in SECTIONS}
+    sections = {}
+    for name, cls in SECTIONS.items():
+        if name not in table:
+            continue
+        if not isinstance(table[name], dict):
+            raise ValueError(f"{name}: expected a [{name}] section, got {_describe(table[name])}")
+        sections[name] = _build(cls, table[name], name, base)
+    for name in ("model", "data"):
+        if name not in sections:
+            raise ValueError(f"[{name}]: required section missing")
+    scalars = _build(_TopLevel, top, "", base)
+    return TrainConfig(**sections, **dataclasses.asdict(scalars), source=source, text=text, table=table)
+
+
+@dataclass(frozen=True)
+class _TopLevel:
+    """The top-level keys alone (the sections are built on their own)."""
+
+    seed: int = 0
+    steps: int | None = None
+    epochs: int | None = None
+    max_grad_norm: float | None = 1.0
+    threads: int | None = None
+    out: Path | None = None
+
+
+def check_paths(config: TrainConfig) -> None:
+    """The files the config names exist (checked apart from parsing, so configs can be built in memory)."""
+    if not config.data.path.is_file():
+        raise FileNotFoundError(f"data.path: {config.data.path}: no such rollout file")
+    if config.data.tokenizer is not None and not config.data.tokenizer.is_dir():
+        raise FileNotFoundError(f"data.tokenizer: {config.data.tokenizer}: no such directory")
+    path = config.model.path
+    if path is not None and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path: {path}: not a local Hugging Face model directory (no config.json); "
+            f"harts train reads local directories only"
+        )
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read and check a ``harts train`` TOML file; every error names the file and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such config file") from None
+    try:
+        table = tomllib.loads(text)
+        config = parse_config(table, path.parent.resolve(), source=path.resolve(), text=text)
+        check_paths(config)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    except (ValueError, FileNotFoundError) as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    return config

@@ -1,0 +1,361 @@
+"""The training loop of ``harts train``: one optimizer step per group of rollouts from the file.
+
+Each step: the next ``rollouts_per_step`` rollouts (whole groups) -> the forest and loss rows
+(what :func:`harts.rollout_step` builds) -> advantages from the configured estimator, when the
+rollouts carry rewards instead -> :func:`harts.forest_step` (forward and backward, every shared
+token once) -> gradient clipping -> optimizer step -> MoE bias update (when asked) -> schedule
+step -> ``zero_grad``. Checkpoints every ``checkpoint.every`` steps and at the end
+(:mod:`harts.trainer.checkpoint`); metrics of every step in ``OUT/metrics.jsonl``.
+
+Resume is exact: the model, optimizer and scheduler states, the random states and the data
+position are restored from the newest verified checkpoint, so the resumed run does the same
+computations on the same data as an uninterrupted one and ends with bit-identical weights, on the
+same machine with the same ``threads`` (floating-point reductions depend on the thread count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import math
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from harts.adapters import adapter_for
+from harts.adapters.base import MoEBalancing
+from harts.forest import Forest, build_forest
+from harts.objectives.advantages import estimate_advantages
+from harts.objectives.losses import LossKind, PolicyLossConfig, normalizers_for
+from harts.objectives.moe import MoEConfig, bias_update
+from harts.objectives.rollout import Rollout, validate_rollouts
+from harts.objectives.rows import build_loss_rows
+from harts.runtime.config import RunConfig
+from harts.runtime.routers import find_routers
+from harts.runtime.step import StepResult
+from harts.train.moe import resolve_aux_coef
+from harts.train.step import forest_step
+from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, write_checkpoint
+from harts.trainer.config import ObjectiveConfig, TrainConfig
+from harts.trainer.inputs import (
+    Position,
+    count_steps,
+    data_stream,
+    fingerprint,
+    load_model,
+    quiet_transformers,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+from harts.trainer.optim import build_optimizers, freeze_routers
+from harts.trainer.progress import MetricsLog, TensorBoard, progress_line, write_plot
+
+__all__ = ["train", "train_step", "TrainingDiverged"]
+
+TRAINER_STATE = "trainer_state.pt"
+STATE = "state.json"
+CONFIG = "config.toml"
+
+
+class TrainingDiverged(ArithmeticError):
+    """A step's loss or gradient norm is not finite; the run stops before applying it."""
+
+
+def train_step(
+    model: torch.nn.Module,
+    rollouts: list[Rollout],
+    objective: ObjectiveConfig,
+    loss: PolicyLossConfig,
+    run: RunConfig,
+    moe: MoEConfig | None,
+) -> tuple[StepResult, Forest]:
+    """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
+    path (validate, forest, rows, :func:`harts.forest_step`) with the advantages estimated on the
+    step's rows in between when ``objective.advantage`` names an estimator."""
+    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
+    forest = build_forest([c.tokens for c in checked])
+    rows = build_loss_rows(forest, rollouts)
+    if objective.advantage is not None:
+        if rows.has_advantage:
+            raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
+                             f"advantages already: remove one of them")  # fmt: skip
+        rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
+    elif loss.kind is not LossKind.SFT and not rows.has_advantage:
+        raise ValueError(f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
+                         f"none: set objective.advantage (grpo, dr_grpo, rloo, tree, pitfall) to estimate "
+                         f"them from rewards")  # fmt: skip
+    normalizers = normalizers_for(rows, max_length=objective.max_length)
+    result = forest_step(model, forest, rows, loss, normalizers=normalizers, run=run, moe=moe)
+    return result, forest
+
+
+def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
+            seconds: float, rollouts: int) -> dict:  # fmt: skip
+    record = {"step": step, "epoch": epoch, "loss": float(result.loss)}
+    record.update({k: float(v) for k, v in result.metrics.items() if k != "loss"})
+    if result.moe is not None:
+        counts = result.moe.expert_counts.double()
+        record["moe_max_load"] = float((counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).mean())
+    record.update(grad_norm=grad_norm, **lrs)
+    record.update(
+        rollouts=rollouts,
+        unique_tokens=forest.num_tokens,
+        flat_tokens=forest.num_flat_tokens,
+        redundancy=forest.redundancy,
+        micro_batches=result.num_micro_batches,
+        seconds=seconds,
+        unique_tokens_per_s=forest.num_tokens / seconds,
+        flat_tokens_per_s=forest.num_flat_tokens / seconds,
+    )
+    return record
+
+
+def _versions() -> dict:
+    """What produced a checkpoint (bit-identical resume needs the same)."""
+    out = {"python": sys.version.split()[0]}
+    for name in ("harts", "torch", "transformers"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+            out[name] = "unknown"
+    return out
+
+
+def _flatten(table: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path):
+    """One run per output directory: an exclusive lock the OS drops when the process dies."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield
+        return
+    with (out / ".lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{out} is in use by another harts train") from None
+        yield
+
+
+class _Run:
+    """The state of one ``train`` call (model, optimizers, position), with its save and restore."""
+
+    def __init__(self, config: TrainConfig, out: Path, log: TextIO):
+        self.config, self.out, self.log = config, out, log
+        self.root = out / "checkpoints"
+
+    def say(self, line: str) -> None:
+        print(f"harts train: {line}", file=self.log, flush=True)
+
+    def setup(self, resume: bool) -> Checkpoint | None:
+        config = self.config
+        self.steps_per_epoch, rollouts_per_epoch = count_steps(config.data)
+        self.total = config.steps or (config.epochs or 1) * self.steps_per_epoch
+        self.data_print = fingerprint(config.data.path)
+        start = None
+        if resume:
+            start = latest(self.root)  # verified before anything of it is read
+            if start is None:
+                self.say(f"no checkpoint in {self.root}: starting from step 0")
+        elif list_checkpoints(self.root):
+            newest = list_checkpoints(self.root)[-1].path.name
+            raise ValueError(f"{self.out} already holds checkpoints ({newest}): pass --resume to continue "
+                             f"from the newest, or choose another --out")  # fmt: skip
+        state = json.loads((start.path / STATE).read_text()) if start else None
+        if state is not None:
+            self._check_resume(start, state)
+        seed_everything(config.seed)
+        self.model = load_model(config.model, config.seed, start.path if start else None)
+        frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
+        self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, self.total)
+        self.loss_config = config.objective.loss_config()
+        self.run_config = config.run.run_config()
+        self.moe, self.routers = None, []
+        if config.moe.enabled:
+            self.moe = MoEConfig(aux_loss_coef=config.moe.aux_loss_coef)
+            try:
+                resolve_aux_coef(self.moe, self.model)
+            except ValueError as exc:
+                raise ValueError(f"moe: {exc}") from None
+            if config.moe.bias_update_speed:
+                if adapter_for(self.model).moe_balancing is not MoEBalancing.BIAS:
+                    raise ValueError(f"moe.bias_update_speed: {self.model.config.model_type} balances its "
+                                     f"experts with an auxiliary loss, not a router bias")  # fmt: skip
+                self.routers = [router for _, router in find_routers(self.model)]
+        self.position = Position()
+        if start is not None:
+            trainer = torch.load(start.path / TRAINER_STATE, weights_only=True)
+            self.optim.load_state_dict(trainer["optimizers"])
+            set_rng_state(trainer["rng"])
+            self.position = Position(**state["position"])
+        params = sum(p.numel() for p in self.model.parameters())
+        name = f"tiny {config.model.tiny}" if config.model.tiny else str(config.model.path)
+        threads = torch.get_num_threads()
+        self.say(f"model {name} ({params / 1e6:.2f}M parameters, {config.model.dtype}, "
+                 f"{config.model.device}, {threads} thread{'s' if threads > 1 else ''}); {split.describe()}"
+                 f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
+        self.say(f"data {config.data.path.name}: {rollouts_per_epoch} rollouts, {self.steps_per_epoch} "
+                 f"steps per epoch; {self.total} steps; out {self.out}")  # fmt: skip
+        return start
+
+    def _check_resume(self, start: Checkpoint, state: dict) -> None:
+        if state["data"]["sha256"] != self.data_print["sha256"]:
+            raise ValueError(f"{self.config.data.path} changed since {start.path.name} was written (its "
+                             f"sha256 differs): an exact resume needs the same data")  # fmt: skip
+        if state["position"]["step"] > self.total:
+            raise ValueError(f"{start.path.name} is past the run's {self.total} steps: raise steps or epochs")
+        threads = self.config.threads or torch.get_num_threads()
+        if state.get("threads") != threads:
+            self.say(f"warning: {start.path.name} ran with {state.get('threads')} threads, this run with "
+                     f"{threads}: the result will not be bit-identical to an uninterrupted run")  # fmt: skip
+        versions = {k: v for k, v in _versions().items() if state.get("versions", {}).get(k) != v}
+        if versions:
+            now = ", ".join(f"{k} {v}" for k, v in versions.items())
+            self.say(f"warning: {start.path.name} was written with other versions than this run's ({now}): "
+                     f"the result may not be bit-identical to an uninterrupted run")  # fmt: skip
+        try:
+            before = _flatten(tomllib.loads((start.path / CONFIG).read_text(encoding="utf-8")))
+        except (OSError, tomllib.TOMLDecodeError):
+            before = {}
+        now = _flatten(self.config.table)
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "out")
+        if changed:
+            self.say(f"warning: the config differs from {start.path.name}'s in {', '.join(changed)}: the "
+                     f"resumed run follows the new one")  # fmt: skip
+        self.say(f"resuming from {start.path} (step {state['position']['step']})")
+
+    def save(self) -> Path:
+        position = self.position
+        state = {
+            "position": position.to_dict(),
+            "total_steps": self.total,
+            "threads": torch.get_num_threads(),
+            "data": {"path": str(self.config.data.path), **self.data_print},
+            "versions": _versions(),
+        }
+
+        def write(directory: Path) -> None:
+            with quiet_transformers():
+                self.model.save_pretrained(directory, safe_serialization=True)
+            torch.save({"optimizers": self.optim.state_dict(), "rng": rng_state()}, directory / TRAINER_STATE)
+            (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+            (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
+
+        path = write_checkpoint(self.root, position.step, write)
+        prune(self.root, self.config.checkpoint.keep_last)
+        return path
+
+    def step(self, rollouts: list[Rollout]) -> tuple[StepResult, Forest, float, dict]:
+        config, optim = self.config, self.optim
+        try:
+            result, forest = train_step(self.model, rollouts, config.objective, self.loss_config,
+                                        self.run_config, self.moe)  # fmt: skip
+        except ValueError as exc:
+            raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
+        clip = config.max_grad_norm if config.max_grad_norm else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(optim.parameters(), clip))
+        if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
+            raise TrainingDiverged(
+                f"step {self.position.step + 1}: loss {float(result.loss)}, gradient norm {grad_norm}: not "
+                f"finite; stopped before the update (the last checkpoint is kept)"
+            )
+        lrs = optim.lrs()  # the rates this step uses
+        optim.step()
+        if self.routers:
+            delta = bias_update(result.moe.expert_counts, self.config.moe.bias_update_speed)
+            with torch.no_grad():
+                for router, d in zip(self.routers, delta, strict=True):
+                    router.e_score_correction_bias.add_(d.to(router.e_score_correction_bias))
+        optim.zero_grad()
+        return result, forest, grad_norm, lrs
+
+
+def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextIO | None = None) -> dict:
+    """Run ``config`` into ``out`` (``resume``: from its newest checkpoint); returns a summary.
+
+    Progress goes to ``log`` (default: stderr).
+
+    Raises ValueError for bad input (before any step when it can be seen then), CheckpointError
+    for a checkpoint that fails verification, :class:`TrainingDiverged` for a non-finite step;
+    a KeyboardInterrupt leaves the last complete checkpoint as it is and propagates.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    run = _Run(config, out, sys.stderr if log is None else log)
+    try:
+        with _run_lock(out):
+            return _loop(run, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _loop(run: _Run, resume: bool) -> dict:
+    config = run.config
+    start = run.setup(resume)
+    position = run.position
+    if start is not None and position.step == run.total:
+        run.say(f"nothing to do: {start.path} is the final step")
+        return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
+    resumed_from = position.step
+    metrics = MetricsLog(run.out / "metrics.jsonl", position.step)
+    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard else None
+    last = start.path if start else None
+    session = 0.0
+    stream = data_stream(config.data, position.epoch, position.index)
+    try:
+        while position.step < run.total:
+            epoch, _, rollouts = next(stream)
+            began = time.perf_counter()
+            result, forest, grad_norm, lrs = run.step(rollouts)
+            seconds = time.perf_counter() - began
+            session += seconds
+            position.advance(len(rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
+                             run.steps_per_epoch)  # fmt: skip
+            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds, len(rollouts))
+            metrics.write(record)
+            if board is not None:
+                board.write(record)
+            every = config.checkpoint.every
+            done = position.step == run.total
+            if config.logging.every and (position.step % config.logging.every == 0 or done):
+                eta = session / (position.step - resumed_from) * (run.total - position.step)
+                print(progress_line(record, run.total, eta), file=run.log, flush=True)
+            if done or (every and position.step % every == 0):
+                last = run.save()
+                run.say(f"checkpoint {last}")
+    except KeyboardInterrupt:
+        done = list_checkpoints(run.root)  # published whole or not at all: the newest is complete
+        where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
+        run.say(f"interrupted at step {position.step}; {where} (continue with --resume)")
+        raise
+    finally:
+        metrics.close()
+        if board is not None:
+            board.close()
+    if config.logging.plot:
+        run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
+    redundancy = position.flat_tokens / max(position.unique_tokens, 1)
+    run.say(f"done: {position.step} steps, {session:.1f} s; {position.unique_tokens:,} unique tokens "
+            f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
+            f"(AutoModelForCausalLM.from_pretrained loads it)")  # fmt: skip
+    return {"steps": position.step, "checkpoint": str(last), "resumed_from": resumed_from, "seconds": session,
+            "unique_tokens": position.unique_tokens, "flat_tokens": position.flat_tokens}  # fmt: skip

@@ -1,0 +1,193 @@
+"""The optimizers and learning-rate schedules of a run.
+
+- ``adamw``: ``torch.optim.AdamW`` on every trainable parameter; weight decay on tensors of two
+  or more dimensions (matrices, embeddings, convolution kernels, fused experts), none on vectors
+  and scalars (norms, biases, gates such as ``A_log``), the usual split.
+- ``muon``: ``torch.optim.Muon`` on the hidden 2-D weight matrices (its orthogonalised update is
+  defined for matrices only), AdamW on the embeddings, the output head, norms, biases and every
+  parameter that is not 2-D (fused 3-D expert weights, convolution kernels). The embedding and
+  head are left to AdamW because their rows are per-token vectors, not a linear map's matrix.
+- ``freeze_router``: the MoE routers' weights (found as the family's adapter names them,
+  :func:`harts.runtime.routers.find_routers`) stop training: ``requires_grad`` off, in no group.
+
+Schedules are ``torch.optim.lr_scheduler.LambdaLR`` over a plain function of the step, so the
+factor of step k is computed afresh from k (nothing accumulates in floating point) and a resumed
+run gets the same learning rates as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from harts.runtime.routers import find_routers
+from harts.trainer.config import OptimizerConfig, ScheduleConfig
+
+__all__ = [
+    "ParameterSplit", "split_parameters", "freeze_routers", "Optimizers", "build_optimizers", "lr_factor",
+]  # fmt: skip
+
+
+@dataclass
+class ParameterSplit:
+    """Which trainable parameter goes to which optimizer group, by name."""
+
+    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # AdamW, with weight decay
+    no_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # AdamW, without
+
+    def describe(self) -> str:
+        def count(group):
+            return f"{len(group)} tensors ({sum(p.numel() for _, p in group) / 1e6:.2f}M)"
+
+        adamw = self.decay + self.no_decay
+        return (f"muon on {count(self.muon)}, adamw on {count(adamw)}" if self.muon
+                else f"adamw on {count(adamw)}")  # fmt: skip
+
+
+def freeze_routers(model: nn.Module) -> list[str]:
+    """Stop training the MoE routers' weights; returns the frozen parameters' names."""
+    try:
+        routers = find_routers(model)
+    except ValueError as exc:
+        raise ValueError(f"optimizer.freeze_router: {exc}") from None
+    ids = {id(p) for _, router in routers for p in router.parameters()}
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    for _, router in routers:
+        for p in router.parameters():
+            p.requires_grad_(False)
+    return names
+
+
+def split_parameters(model: nn.Module, kind: str) -> ParameterSplit:
+    """The groups of ``kind`` (``adamw`` or ``muon``) over the trainable parameters, in model order."""
+    edge = set()
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            edge |= {id(p) for p in module.parameters()}
+    split = ParameterSplit()
+    for name, p in model.named_parameters():  # tied weights appear once
+        if not p.requires_grad:
+            continue
+        if kind == "muon" and p.ndim == 2 and id(p) not in edge:
+            split.muon.append((name, p))
+        elif p.ndim >= 2:
+            split.decay.append((name, p))
+        else:
+            split.no_decay.append((name, p))
+    return split
+
+
+def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
+    """The learning-rate factor of 0-based step ``step`` of ``total``.
+
+    Warm-up rises linearly to 1 at step ``warmup_steps - 1`` (its first step already moves);
+    then ``constant`` stays at 1, ``linear`` and ``cosine`` fall towards ``min_lr_ratio``, which
+    they would reach at step ``total``, one past the last (so no step runs at a rate of 0).
+    """
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule.kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    low = schedule.min_lr_ratio
+    if schedule.kind == "linear":
+        return 1.0 - (1.0 - low) * progress
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Optimizers:
+    """AdamW (and Muon) with their schedulers, stepped together; one state dict for checkpoints."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], factor: Callable[[int], float]):
+        self.optimizers = optimizers
+        self.schedulers = {
+            name: torch.optim.lr_scheduler.LambdaLR(opt, factor) for name, opt in optimizers.items()
+        }
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+        for sched in self.schedulers.values():
+            sched.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def lrs(self) -> dict[str, float]:
+        """The learning rate the next step uses: ``lr`` (AdamW), ``lr_muon``."""
+        out = {}
+        for name, opt in self.optimizers.items():
+            out["lr" if name == "adamw" else f"lr_{name}"] = float(opt.param_groups[0]["lr"])
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()},
+            "schedulers": {name: s.state_dict() for name, s in self.schedulers.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["optimizers"]) != set(self.optimizers):
+            raise ValueError(
+                f"the checkpoint's optimizers are {sorted(state['optimizers'])}, the config's "
+                f"{sorted(self.optimizers)}: resume with the optimizer.kind the run started with"
+            )
+        for name, opt in self.optimizers.items():
+            try:
+                opt.load_state_dict(state["optimizers"][name])
+            except ValueError as exc:  # torch: "... doesn't match the size of optimizer's group"
+                raise ValueError(
+                    f"the checkpoint's {name} state does not fit this run's parameters ({exc}); resume with "
+                    f"the model, optimizer.kind and optimizer.freeze_router the run started with"
+                ) from None
+            for slot in opt.state.values():  # fresh, aligned memory (see harts.trainer.inputs.own_memory)
+                for key, value in slot.items():
+                    if torch.is_tensor(value):
+                        slot[key] = value.clone()
+            self.schedulers[name].load_state_dict(state["schedulers"][name])
+
+
+def build_optimizers(
+    model: nn.Module, config: OptimizerConfig, schedule: ScheduleConfig, total_steps: int
+) -> tuple[Optimizers, ParameterSplit]:
+    """The run's optimizers over ``model``'s trainable parameters (freeze routers first)."""
+    split = split_parameters(model, config.kind)
+    if not (split.muon or split.decay or split.no_decay):
+        raise ValueError("the model has no trainable parameter")
+    adamw_groups = [
+        {"params": [p for _, p in group], "weight_decay": decay}
+        for group, decay in ((split.decay, config.weight_decay), (split.no_decay, 0.0))
+        if group
+    ]
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if adamw_groups:
+        optimizers["adamw"] = torch.optim.AdamW(
+            adamw_groups, lr=config.lr, betas=config.betas, eps=config.eps
+        )
+    if split.muon:
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is None:
+            raise ImportError(f"optimizer.kind = 'muon' needs torch.optim.Muon (torch 2.9 or later); "
+                              f"installed: torch {torch.__version__}")  # fmt: skip
+        optimizers["muon"] = muon(
+            [p for _, p in split.muon],
+            lr=config.muon_lr if config.muon_lr is not None else config.lr,
+            weight_decay=config.weight_decay,
+            momentum=config.momentum,
+            adjust_lr_fn=config.adjust_lr,
+        )
+
+    def factor(step: int) -> float:  # a plain function: LambdaLR keeps it out of its state dict
+        return lr_factor(step, total_steps, schedule)
+
+    return Optimizers(optimizers, factor), split

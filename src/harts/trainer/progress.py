@@ -1,0 +1,133 @@
+"""What a run reports: a progress line on stderr, ``metrics.jsonl``, optional TensorBoard, a plot.
+
+The progress line is self-made (no dependency) and says what the forest saves as it happens:
+unique tokens per second (what the model computed), flat tokens per second (what per-trajectory
+training would have computed for the same result) and their ratio, the step's sharing.
+``metrics.jsonl`` holds one JSON object per optimizer step, appended and flushed as each step
+ends; on resume the lines past the checkpoint's step (steps a killed run did after its last
+checkpoint, which the resumed run does again) are dropped first, so the file always reads as one
+run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["MetricsLog", "progress_line", "TensorBoard", "write_plot", "read_metrics"]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLog:
+    """``metrics.jsonl``, starting after step ``start`` (0: a fresh file)."""
+
+    def __init__(self, path: Path, start: int):
+        kept = [r for r in read_metrics(path) if r.get("step", math.inf) <= start] if start else []
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else (
+        f"{seconds // 60}:{seconds % 60:02d}")  # fmt: skip
+
+
+def progress_line(record: dict, total: int, eta_seconds: float) -> str:
+    """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat) | ...``."""
+    parts = [
+        f"step {record['step']}/{total}",
+        f"epoch {record['epoch']}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.2e}",
+        f"gnorm {record['grad_norm']:.3g}",
+        f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat)",
+        f"shared {record['redundancy']:.2f}x",
+        f"{record['seconds']:.2f} s/step",
+        f"eta {_duration(eta_seconds)}",
+    ]
+    return " | ".join(parts)
+
+
+class TensorBoard:
+    """Scalars to ``OUT/tensorboard`` when ``torch.utils.tensorboard`` imports; else one line says so."""
+
+    def __init__(self, directory: Path, log: TextIO):
+        self._writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("harts train: logging.tensorboard is on but tensorboard is not installed "
+                  "(pip install tensorboard); not writing it", file=log)  # fmt: skip
+            return
+        self._writer = SummaryWriter(str(directory))
+
+    def write(self, record: dict) -> None:
+        if self._writer is None:
+            return
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+_PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "redundancy",
+            "unique_tokens_per_s")  # fmt: skip
+
+
+def write_plot(metrics: Path, out: Path) -> str:
+    """A PNG of the loss and the main metrics against the step; returns a line saying what it did."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    records = read_metrics(metrics)
+    keys = [k for k in _PLOTTED if any(isinstance(r.get(k), (int, float)) for r in records)]
+    if not records or not keys:
+        return "no plot: no metrics"
+    cols = 3
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return f"plot: {out}"

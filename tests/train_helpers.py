@@ -1,0 +1,47 @@
+"""Configs for the ``harts train`` tests: a TOML file over the example rollouts, any family.
+
+The tests run on every supported transformers version, so the family comes from
+``harts.testing.FAMILIES`` (what the installed version has), not from the example's
+bailing_hybrid. One thread keeps the runs deterministic and fast on a shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harts.testing import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_ROLLOUTS = ROOT / "examples" / "rollouts.jsonl"
+FAMILY = FAMILIES[0]  # the newest family the installed transformers has (hybrid attention + MoE)
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_config(path: Path, top: dict | None = None, **sections: dict) -> Path:
+    """A config file: ``top`` keys, then ``[section]`` tables; defaults give a short SFT run."""
+    top = {"seed": 0, "steps": 3, "threads": 1, **(top or {})}
+    tables = {
+        "model": {"tiny": FAMILY},
+        "data": {"path": str(EXAMPLE_ROLLOUTS), "rollouts_per_step": 8},
+        "objective": {"kind": "sft"},
+        "logging": {"plot": False},
+    }
+    for name, table in sections.items():
+        tables[name] = {**tables.get(name, {}), **table}
+    lines = [f"{k} = {toml_value(v)}" for k, v in top.items() if v is not None]
+    for name, table in tables.items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
+    path.write_text("\n".join(lines) + "\n")
+    return path
