@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import harts
-from harts.bench.cases import BenchConfig, make_trajectories
+from harts.bench.cases import BenchConfig, build_case, make_trajectories, variant_fns
 from harts.bench.flops import flop_model, forest_flops, ideal_speedup
 from harts.bench.memory import measure_peak, tensor_peak_bytes
 from harts.bench.report import markdown, write_outputs
-from harts.bench.run import run
+from harts.bench.run import run, run_case
 from harts.data.synthetic import scaled
 from harts.plan.waves import plan_linear
 from harts.testing import tiny_model
@@ -66,6 +66,27 @@ def test_harness_smoke(tmp_path):
     assert "| family | shape |" in markdown(results)
     write_outputs(results, tmp_path)
     assert (tmp_path / "results.json").exists() and (tmp_path / "results.md").exists()
+
+
+def test_flat_baseline_under_a_budget_never_cuts_a_trajectory():
+    """Under a budget below the longest trajectory, the flat layout packs whole trajectories (the
+    longest alone) and also runs without a budget; the tree is compared with the faster of the two."""
+    cfg = BenchConfig(
+        families=("llama",), shapes=("agentic",), quick=True, memory=False, peers=False, threads=1,
+        run=harts.RunConfig(budget_tokens=16),
+    ).resolved()  # fmt: skip
+    case = build_case(cfg, "llama", "agentic")
+    assert int(case.flat.trajectory_length.max()) > 16
+    fns, _ = variant_fns(case, cfg)
+    assert {"tree", "flat", "flat_whole"} <= set(fns)
+    flat = fns["flat"]()
+    assert flat.num_cuts == 0 and flat.part_forwards == flat.num_micro_batches > 1
+    assert fns["flat_whole"]().num_micro_batches == 1
+    assert fns["tree"]().num_cuts > 0
+    row = run_case(cfg, "llama", "agentic")
+    best = min(("flat", "flat_whole"), key=lambda n: row["variants"][n]["time_s"])
+    assert row["flat_best"] == best
+    assert row["achieved_speedup"] == row["variants"][best]["time_s"] / row["variants"]["tree"]["time_s"]
 
 
 @pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])

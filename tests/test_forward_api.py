@@ -101,6 +101,8 @@ def test_run_config_refuses_bad_settings(model):
         (dict(context_weight=1.5), "context_weight"),
         (dict(linear_plan="fastest"), "unknown linear_plan"),
         (dict(chunk_rows=0), "chunk_rows"),
+        (dict(hold_tokens=-1), "hold_tokens"),
+        (dict(hold_tokens=None), "hold_tokens"),
     ]:
         with pytest.raises(ValueError, match=match):
             harts.RunConfig(**kwargs)

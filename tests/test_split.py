@@ -63,13 +63,64 @@ class SequenceLoss:
         return SequenceLoss(self.forest, self.rows[rows.cpu()])
 
 
-def _step(model, forest, budget, separable=False):
+class RowLoss:
+    """A sum of per-row terms (random weights on log-probs and entropies): subsets of any rows add
+    up, so it declares ``separable_rows`` and cut trees run depth first, each part once."""
+
+    separable_rows = True
+
+    def __init__(self, forest, rows=None):
+        predictor, _ = next_token_rows(forest)
+        generator = torch.Generator().manual_seed(1)
+        self.w = torch.randn(2, predictor.numel(), generator=generator)
+        self.rows = torch.arange(predictor.numel()) if rows is None else rows
+
+    def __call__(self, logprob, entropy):
+        w = self.w[:, self.rows]
+        return (logprob * w[0]).sum() + 0.1 * (entropy * w[1]).sum()
+
+    def subset(self, rows):
+        out = RowLoss.__new__(RowLoss)
+        out.w, out.rows = self.w, self.rows[rows.cpu()]
+        return out
+
+
+def _step(model, forest, budget, separable=False, loss_type=SequenceLoss, run=None):
     predictor, target = next_token_rows(forest)
-    loss = SequenceLoss(forest)
+    loss = loss_type(forest)
     loss_fn = loss if separable else (lambda logprob, entropy: loss(logprob, entropy))
     model.zero_grad(set_to_none=True)
-    result = forest_backward(model, forest, predictor, target, loss_fn, budget_tokens=budget)
+    result = forest_backward(model, forest, predictor, target, loss_fn, budget_tokens=budget, run=run)
     return result, param_grads(model)
+
+
+def _read_by_later_parts(result) -> int:
+    return sum(1 for lay in result.layouts if lay.export_token_ids.size or lay.export_nodes)
+
+
+@pytest.mark.parametrize(("shape", "budget"), CASES, ids=[f"{s}-budget{b}" for s, b in CASES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cut_trees_run_once_depth_first_under_a_per_row_loss(family, shape, budget):
+    """A per-row loss: every part forward and backward once when the held graphs may grow with the
+    chain of parts; each part later parts read runs twice when none may be held (the default); in
+    between when one budget's worth may be held. Every setting gives the gradients of no budget."""
+    model = model_of(family)
+    forest = harts.build_forest(SPLIT_FORESTS[shape])
+    ref, ref_grads = _step(model, forest, None, True, RowLoss)
+    counts = {}
+    for hold in (budget, 0, 10**9):
+        run = harts.RunConfig(budget_tokens=budget, hold_tokens=hold)
+        got, grads = _step(model, forest, budget, True, RowLoss, run)
+        interior = _read_by_later_parts(got)
+        assert got.num_cuts >= 2 and interior >= 1
+        counts[hold] = (got.part_forwards - got.num_micro_batches, interior)
+        assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
+        assert abs(float(got.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss)))
+        errors = grad_relative_errors(grads, ref_grads)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= GRAD_RTOL, f"hold {hold}, {worst}: relative error {errors[worst]:.3g}"
+    assert counts[10**9][0] == 0 and counts[0][0] == counts[0][1]
+    assert 0 <= counts[budget][0] <= counts[budget][1]
 
 
 @pytest.mark.parametrize(("shape", "budget"), CASES, ids=[f"{s}-budget{b}" for s, b in CASES])
@@ -90,7 +141,8 @@ def test_budget_does_not_change_gradients(family, shape, budget):
 
 @pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])
 def test_whole_trees_run_once_under_a_separable_loss(family):
-    """Trees that fit the budget run forward and backward once; cut trees take three passes."""
+    """A loss over whole trajectories (not per row): trees that fit the budget run forward and
+    backward once; cut trees take three passes."""
     model = model_of(family)
     forest = harts.build_forest(SPLIT_FORESTS["duplicates+roots"])
     ref, ref_grads = _step(model, forest, None)

@@ -2,9 +2,15 @@
 
 A *case* is one (family, shape): a small random model of the family and synthetic trajectories
 of the shape, built into a tree forest and a flat one. The variants timed on a case are the step
-on the tree, the same step on the flat layout (``share_prefixes=False``: the same code, the same
-kernels, the same budget; the strongest flat baseline harts offers), stock per-trajectory
-training, and the peers where they apply (:mod:`harts.bench.peers`).
+on the tree, the same step on the flat layout (``share_prefixes=False``: packed sequences through
+the same kernels), stock per-trajectory training, and the peers where they apply
+(:mod:`harts.bench.peers`).
+
+The flat layout runs as a good flat trainer runs: micro-batches of whole trajectories packed up to
+the budget (a trajectory longer than the budget alone in its micro-batch, never cut: verl's and
+TRL's token budgets must hold the longest sequence), each run forward and backward once. Under a
+budget it also runs without one (``flat_whole``, one micro-batch), and the benchmark compares the
+tree against the faster of the two: flat at its best budget.
 
 Objective: the SFT sum of every trajectory's next-token log-probs (``Normalizers`` of 1, so the
 peers' and the stock step's sums compare directly); one *step* = its forward and backward.
@@ -27,7 +33,10 @@ from harts.forest import Forest
 from harts.runtime.config import RunConfig
 from harts.testing import FAMILIES, tiny_model
 
-__all__ = ["BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "make_trajectories"]
+__all__ = [
+    "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "FLAT_VARIANTS",
+    "make_trajectories",
+]  # fmt: skip
 
 SHAPES = ("star", "agentic", "paper_like", "deep", "random")
 
@@ -175,17 +184,34 @@ def build_case(cfg: BenchConfig, family: str, shape: str) -> Case:
     return Case(family, shape, model, trajectories, tree, flat, tree_rows, flat_rows)
 
 
+def flat_run(run: RunConfig, flat: Forest) -> RunConfig:
+    """The flat layout's run config at the tree's budget: never below the longest trajectory, so
+    that no trajectory is cut (a flat trainer's micro-batch holds whole sequences)."""
+    if run.budget_tokens is None:
+        return run
+    longest = int(flat.trajectory_length.max()) if flat.num_trajectories else 0
+    return dataclasses.replace(run, budget_tokens=max(run.budget_tokens, longest))
+
+
+FLAT_VARIANTS = ("flat", "flat_whole")
+
+
 def variant_fns(case: Case, cfg: BenchConfig) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """(runnable variants by name, skipped variants with the reason) for one case.
 
     The tree and flat variants return a :class:`harts.StepResult`; the others their loss tensor.
+    ``flat_whole`` (the flat layout without a budget) runs only when the config has a budget.
     """
     step, device = STEPS[cfg.step], torch.device(cfg.device)
+    flat = flat_run(cfg.run, case.flat)
     fns: dict[str, Callable[[], object]] = {
         "tree": lambda: step(case.model, case.tree, case.tree_rows, cfg.run),
-        "flat": lambda: step(case.model, case.flat, case.flat_rows, cfg.run),
+        "flat": lambda: step(case.model, case.flat, case.flat_rows, flat),
         "stock": lambda: stock_step(case.model, case.trajectories, device),
     }
+    if cfg.run.budget_tokens is not None:
+        whole = dataclasses.replace(cfg.run, budget_tokens=None)
+        fns["flat_whole"] = lambda: step(case.model, case.flat, case.flat_rows, whole)
     skipped: dict[str, str] = {}
     if cfg.peers:
         from harts.bench import peers  # lazy: the peers are optional packages

@@ -39,20 +39,27 @@ def _ratio(a: dict, b: dict, key: str) -> str:
 
 
 def main_table(results: dict) -> list[str]:
+    budgeted = any("flat_whole" in r["variants"] for r in results["rows"])
+    whole_head, whole_rule = (" | flat whole", "---:|") if budgeted else ("", "")
     lines = [
         "| family | shape | traj | flat tok | R | ideal | tree vs flat | % of ideal | tree vs stock "
-        "| calls/lin tree | calls/lin flat | peak MiB tree | flat | stock | ms tree | flat | stock |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| calls/lin tree | calls/lin flat | peak MiB tree | flat | stock | ms tree | flat"
+        + whole_head
+        + " | stock |",
+        "|---|---|" + "---:|" * 14 + whole_rule + "---:|",
     ]
     for r in results["rows"]:
         v = r["variants"]
         t, fl, st = v["tree"], v["flat"], v["stock"]
+        whole = ""
+        if budgeted:
+            whole = f" | {_ms(v['flat_whole'])}" if "flat_whole" in v else " | -"
         lines.append(
             f"| {r['family']} | {r['shape']} | {r['trajectories']} | {r['flat_tokens']} "
             f"| {r['redundancy']:.2f} | {r['ideal_speedup']:.2f} | {r['achieved_speedup']:.2f} "
             f"| {100 * r['fraction_of_ideal']:.0f}% | {r['speedup_vs_stock']:.2f} "
             f"| {_f(t.get('linear_calls'), 'd')} | {_f(fl.get('linear_calls'), 'd')} "
-            f"| {_mib(t)} | {_mib(fl)} | {_mib(st)} | {_ms(t)} | {_ms(fl)} | {_ms(st)} |"
+            f"| {_mib(t)} | {_mib(fl)} | {_mib(st)} | {_ms(t)} | {_ms(fl)}{whole} | {_ms(st)} |"
         )
     return lines
 
@@ -131,7 +138,7 @@ def markdown(results: dict) -> str:
             v.get("loss_rel_diff_vs_stock", 0.0)
             for r in rows
             for n, v in r["variants"].items()
-            if n in ("tree", "flat") and v["status"] == "ran"
+            if n in ("tree", "flat", "flat_whole") and v["status"] == "ran"
         ),
         default=0.0,
     )

@@ -126,8 +126,9 @@ def aggregate(per_row_loss: Tensor, rows: LossRows, mode: Aggregation, normalize
     if mode is Aggregation.SEQ_MEAN_TOKEN_SUM:
         return weighted.sum() / sequences
     if mode is Aggregation.SEQ_MEAN_TOKEN_MEAN:
-        # A trajectory's rows all live in this micro-batch, so its own token count is local.
-        per_traj = _trajectory_weight(rows, dtype)[rows.trajectory]
+        # each trajectory's row count over the whole step (kept whole by LossRows.select), so that
+        # any subset of rows (a part of a cut tree) gets its exact share
+        per_traj = rows.tokens_per_trajectory.to(dtype)[rows.trajectory]
         return (weighted / _nonzero(per_traj)).sum() / sequences
     if normalizers.max_length is None:
         raise ValueError("SEQ_MEAN_TOKEN_SUM_NORM needs Normalizers.max_length (Dr. GRPO's constant)")

@@ -10,8 +10,10 @@ row while logits are per unique predictor (see :func:`unique_predictors`).
 Shapes: R rows, B trajectories, U unique predictors.
 
 What this leaves out: logits and log-probs (``harts.ops.logprobs``), the objectives
-(``losses.py``), advantage estimation (``advantages.py``). Each trajectory's rows must live in
-one micro-batch: sequence-level terms (GSPO's ratio, seq-mean-token-mean) read all of them.
+(``losses.py``), advantage estimation (``advantages.py``). GSPO's sequence ratio reads all rows
+of a trajectory together; every other objective is a sum of per-row terms over the step's
+normalisers (a trajectory's row count, for seq-mean-token-mean, is ``tokens_per_trajectory``,
+which a selection keeps whole), so any subset of rows gets its exact share.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ class LossRows:
     def select(self, index: torch.Tensor) -> LossRows:
         """The rows ``index`` [r] (per-row tensors indexed, per-trajectory ones kept whole).
 
-        Exact for the objectives when ``index`` holds all rows of each trajectory it touches:
-        sequence-level terms read a trajectory's rows together.
+        Exact for every objective on any rows, except GSPO, whose sequence ratio needs all rows of
+        each trajectory ``index`` touches.
         """
         index = torch.as_tensor(index, dtype=torch.long, device=self.device)
         per_row = ("predictor", "target", "target_index", "trajectory", "position", "weight", "advantage",

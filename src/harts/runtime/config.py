@@ -32,6 +32,14 @@ class RunConfig:
     - ``chunk_rows``: loss rows per chunk of the output head, bounding the [rows, vocab] logits.
     - ``recompute_linear``: linear-attention calls keep only their inputs for backward and run
       again there (about 30% less activation memory, 7-28% more time on the hybrid configs).
+    - ``hold_tokens``: under a loss that is a sum of per-row terms, a cut tree's parts run depth
+      first: a part no later part reads runs forward and backward once; a part that later parts
+      read either keeps its graph until they have sent their gradients back, or runs without
+      autograd first and again in backward. ``hold_tokens`` bounds the tokens of such held graphs
+      beyond the running part, so the step's graphs stay within ``budget_tokens + hold_tokens``.
+      Default 0: no graph is held and peak memory stays that of one micro-batch;
+      ``hold_tokens=budget_tokens`` trades up to one micro-batch more for fewer forwards. Measured
+      trade-off: docs/benchmarks.md.
     """
 
     budget_tokens: int | None = None
@@ -40,6 +48,7 @@ class RunConfig:
     cost_model: LinearCostModel = field(default_factory=LinearCostModel)
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     recompute_linear: bool = False
+    hold_tokens: int = 0
 
     def __post_init__(self):
         if self.budget_tokens is not None and (
@@ -60,6 +69,9 @@ class RunConfig:
             raise TypeError(f"cost_model must be a LinearCostModel, got {type(self.cost_model).__name__}")
         if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {self.chunk_rows!r}")
+        hold = self.hold_tokens
+        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
+            raise ValueError(f"hold_tokens must be an int >= 0, got {self.hold_tokens!r}")
 
     @staticmethod
     def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:

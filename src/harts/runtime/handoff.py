@@ -179,6 +179,15 @@ class HandoffBanks:
             self._sources[part] = (groups, inverse)
         return self._sources[part]
 
+    def producers(self, part: int) -> set[int]:
+        """The earlier parts whose exports ``part`` reads (rows and states)."""
+        lay = self.layouts[part]
+        if not lay.root_state_source:
+            return set()
+        groups, _ = self.sources(part)
+        states = {self.state_producer[n] for n in lay.root_state_source.values()}
+        return {q for q, _, _ in groups} | states
+
     def gather(self, part: int, num_layers: int) -> list[LayerHandoff] | None:
         """What ``part`` reads from earlier parts, per layer (None for a part without context)."""
         lay = self.layouts[part]

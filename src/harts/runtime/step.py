@@ -6,27 +6,36 @@ by a predicting unique token and a target id, whatever the budget. It is the low
 :func:`harts.rollout_step` and the entry point for custom losses.
 
 Without a budget (or when the forest fits) it is one forward, the loss, one backward. With a
-budget the forest is cut into micro-batches (:mod:`harts.plan.micro_batches`). A micro-batch of
-whole trees runs forward and backward once, on its own rows, when the loss is a sum over
-trajectories of functions of each one's own rows (a ``loss_fn`` with a ``subset(rows)`` method,
-as every objective of :func:`harts.rollout_step` is, given the step's normalisers): that is how a
-flat trainer runs its micro-batches. The parts of cut trees (and every part, for a loss without
-``subset``) run in three passes:
+budget the forest is cut into micro-batches (:mod:`harts.plan.micro_batches`), and how they run
+depends on what the loss says of itself:
 
-1. forward of every part in order, without autograd, keeping what each part hands on (per layer:
-   keys/values and conv inputs of the tokens later parts read, final states of their parents)
-   and the row log-probs and entropies; the last part runs with autograd and keeps its graph;
-2. the loss on detached row log-probs, differentiated once: d loss / d logprob and d entropy,
-   so any objective works, including sequence-level ones whose rows span parts (GSPO);
-3. parts in reverse order: recompute the part's forward with autograd (all but the last), the
-   handed-over inputs as leaves, and run backward with the row gradients and the gradients that
-   later parts sent back to this part's exports injected
-   (``torch.autograd.backward(tensors, grad_tensors)``). The gradients of its leaves go back to
-   the parts that produced them (:class:`~harts.runtime.handoff.HandoffBanks`).
+- **Per-row losses** (``loss_fn.subset(rows)`` and ``loss_fn.separable_rows``: a sum of per-row
+  terms over normalisers fixed before the step, as every objective of :func:`harts.rollout_step`
+  but GSPO is): every part runs forward and backward once, on its own rows, as a flat trainer runs
+  its micro-batches. A micro-batch of whole trees runs its backward right after its forward. A cut
+  tree is walked depth first over its parts: a part that later parts read keeps its graph while
+  they run, and runs its backward once they have all sent back the gradients of what it handed
+  them. Held graphs are those of the chain of parts above the running one; where holding one
+  would exceed ``RunConfig.hold_tokens`` (0 by default: peak memory stays one micro-batch's),
+  that part runs without autograd first and again in backward (``StepResult.part_forwards``
+  counts the forwards).
+- **Per-trajectory losses** (``subset`` only: valid for whole trajectories' rows, e.g. GSPO's
+  sequence ratio): micro-batches of whole trees run once as above; the parts of cut trees take
+  the three passes below.
+- **Any other loss** (or an observer that needs the whole step's statistics first): every part
+  takes the three passes:
 
-Peak activation memory is one part's graph plus the handed-over tensors; the price is one extra
-forward of every part but the last (as with activation checkpointing). Recomputation is exact:
-the same ops on the same inputs.
+  1. forward of every part in order, without autograd, keeping what each part hands on (per
+     layer: keys/values and conv inputs of the tokens later parts read, final states of their
+     parents) and the row log-probs and entropies; the last part runs with autograd;
+  2. the loss on detached row log-probs, differentiated once: d loss / d logprob and d entropy;
+  3. parts in reverse order: recompute the part's forward with autograd (all but the last), the
+     handed-over inputs as leaves, and run backward with the row gradients and the gradients
+     that later parts sent back to this part's exports injected.
+
+In every order, the gradients of a part's handed-over leaves go back to the parts that produced
+them (:class:`~harts.runtime.handoff.HandoffBanks`), and recomputation is exact: the same ops on
+the same inputs.
 
 A :class:`PartObserver` sees every part's forward and may add a loss term to a part's backward:
 this is how the MoE load-balancing loss, a product of two means over the whole step, gets its
@@ -80,9 +89,9 @@ class StepResult:
       ``handoff`` (gathering handed-over rows and routing their gradients back) and ``total``.
     - ``rows``: the :class:`~harts.objectives.rows.LossRows` of a :func:`harts.rollout_step`
       (which trajectory and position each entry of ``logprob`` belongs to), else None.
-    - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch where each
-      runs once (whole trees under a separable loss), up to two where a cut tree's parts run a
-      first pass without autograd and again in backward.
+    - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch that ran
+      forward and backward once, two for one that ran without autograd first and again in backward
+      (``part_forwards - num_micro_batches`` parts were recomputed).
     - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
       from (``harts.rollouts_from_batch``), else None; :meth:`to_batch` uses it.
     """
@@ -121,8 +130,8 @@ class PartObserver:
 
     ``before_part(p, layout, first)`` runs before part ``p``'s forward; ``after_part`` after it
     and returns a 0-dim term to backpropagate with the part (or None). ``first`` is True on the
-    first forward of a part (each part runs once more in backward, except the last); ``grad`` is
-    True when the forward kept its graph. With ``needs_step_statistics``, every part's first
+    first forward of a part (a part that ran without autograd runs once more in backward);
+    ``grad`` is True when the forward kept its graph. With ``needs_step_statistics``, every part's first
     forward has run before the first ``after_part`` with ``grad`` True, so a term may use
     statistics of the whole step.
     """
@@ -186,6 +195,213 @@ class _Clock:
             self.seconds[key] += time.perf_counter() - start
 
 
+class _Parts:
+    """The parts of one step: their forwards, backwards, and the two orders they run in."""
+
+    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, temperature):
+        self.model, self.loss_fn, self.run, self.observer = model, loss_fn, run, observer
+        self.temperature = temperature
+        self.target = target
+        self.device = model_device(model)
+        self.clock = _Clock()
+        self.layouts, self.plan = self.clock.timed("plan", self._plan, forest)
+        self.sizes = [lay.num_tokens for lay in self.layouts]
+        # rows of each part: those whose predicting token it holds
+        part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
+        self.local_index = np.empty(forest.num_tokens, dtype=np.int64)
+        for p, lay in enumerate(self.layouts):
+            part_of_token[lay.global_tokens] = p
+            self.local_index[lay.global_tokens] = np.arange(lay.global_tokens.size)
+        self.pred_np = predictor.numpy()
+        row_order = np.argsort(part_of_token[self.pred_np], kind="stable")
+        bounds = np.searchsorted(part_of_token[self.pred_np][row_order], np.arange(len(self.layouts) + 1))
+        self.row_parts = [row_order[bounds[p] : bounds[p + 1]] for p in range(len(self.layouts))]
+        self.num_layers = model.config.num_hidden_layers
+        self.banks = HandoffBanks(self.layouts, forest.num_tokens)
+        # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
+        dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
+        self.logp = torch.empty(predictor.numel(), device=self.device, dtype=dtype)
+        self.ent = torch.empty(predictor.numel(), device=self.device, dtype=dtype)
+        self.loss = torch.zeros((), device=self.device)
+        self.metrics: dict[str, Tensor] = {}
+        self.forwards = 0
+
+    def _plan(self, forest):
+        plan = plan_micro_batches(forest, self.run.budget_tokens, self.run.context_weight)
+        single = plan.num_micro_batches == 1
+        layouts = [
+            layout_for(plan.forest, self.device, self.run, None if single else part) for part in plan.parts
+        ]
+        return layouts, plan
+
+    def rows(self, p: int) -> Tensor:
+        return torch.as_tensor(self.row_parts[p], device=self.device)
+
+    def forward(self, p: int, grad: bool, first: bool) -> _PartRun:
+        """Part ``p``'s forward and row log-probs; with ``grad``, its handed-over inputs become leaves."""
+        lay, rows = self.layouts[p], self.row_parts[p]
+        self.forwards += 1
+        ext = self.clock.timed("handoff", self.banks.gather, p, self.num_layers)
+        leaves: list[tuple[int, str, int | None, Tensor]] = []
+        if grad and ext is not None:
+            for layer, h in enumerate(ext):
+                for name in ("key", "value", "conv_input"):
+                    t = getattr(h, name)
+                    if t is not None:
+                        leaf = t.detach().requires_grad_()
+                        setattr(h, name, leaf)
+                        leaves.append((layer, name, None, leaf))
+                for node in list(h.states):
+                    leaf = h.states[node].detach().requires_grad_()
+                    h.states[node] = leaf
+                    leaves.append((layer, "state", node, leaf))
+        lp = en = None
+        self.observer.before_part(p, lay, first)
+        with torch.set_grad_enabled(grad):
+            hidden, exports = run_layout(self.model, lay, ext, self.run.recompute_linear)
+            if rows.size:
+                local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
+                lp, en = row_logprobs(
+                    self.model.lm_head, hidden, local, self.target[rows].to(self.device), self.run.chunk_rows,
+                    self.temperature,
+                )  # fmt: skip
+        part_run = _PartRun(exports, lp, en, leaves, self.observer.after_part(p, lay, first, grad))
+        if first and lp is not None:  # keep the rows' values (recomputation gives the same ones)
+            rows_t = self.rows(p)
+            self.logp[rows_t] = lp.detach().to(self.logp.dtype)
+            self.ent[rows_t] = en.detach().to(self.ent.dtype)
+        return part_run
+
+    def add(self, value) -> Tensor:
+        """Add a loss term (``loss`` or ``(loss, metrics)``) to the step's; returns the loss."""
+        part_loss, part_metrics = _split_loss(value)
+        self.loss = self.loss + part_loss.detach()
+        for name, v in part_metrics.items():  # every metric is a sum over global normalisers
+            self.metrics[name] = self.metrics[name] + v.detach() if name in self.metrics else v.detach()
+        return part_loss
+
+    def backward(self, p: int, part_run: _PartRun, row_terms: list[tuple[Tensor, Tensor]]) -> None:
+        """Part ``p``'s backward: ``row_terms`` (output, its gradient), the gradients later parts sent
+        back to its exports and the observer's term; then its leaves' gradients go back to the parts
+        they came from.
+
+        Nothing of the part (graph outputs, leaves and their gradients, which are often views of
+        whole-layer gradient buffers) outlives this call, so none stays alive while the next part runs.
+        """
+        tensors, grads = [t for t, _ in row_terms], [g for _, g in row_terms]
+        for (layer, name, node), g in self.clock.timed("handoff", self.banks.received, p).items():
+            h = part_run.exports[layer]
+            tensors.append(h.states[node] if name == "state" else getattr(h, name))
+            grads.append(g)
+        if part_run.extra is not None:
+            tensors.append(part_run.extra)
+            grads.append(torch.ones_like(part_run.extra))
+        # with frozen parameters (LoRA, a frozen layer, head-only training) some outputs have no graph
+        live = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+        if live:
+            torch.autograd.backward([t for t, _ in live], [g for _, g in live])
+
+        def route():
+            for layer, name, node, leaf in part_run.leaves:
+                grad, leaf.grad = leaf.grad, None
+                if grad is not None:
+                    self.banks.send_back(p, layer, name, node, grad)
+
+        self.clock.timed("handoff", route)
+
+    # ---- a loss that is a sum over trajectories of each one's rows: every part's own loss --------
+    def own_loss_terms(self, p: int, part_run: _PartRun) -> list[tuple[Tensor, Tensor]]:
+        """The loss of part ``p``'s own rows (the whole loss for a single part), added to the step's."""
+        if len(self.layouts) == 1 and part_run.logprob is None:  # a forest without rows: the loss of none
+            value = self.loss_fn(self.logp, self.ent)
+        elif len(self.layouts) == 1:
+            value = self.loss_fn(part_run.logprob, part_run.entropy)
+        elif self.row_parts[p].size:
+            value = self.loss_fn.subset(self.rows(p))(part_run.logprob, part_run.entropy)
+        else:
+            return []
+        part_loss = self.add(value)
+        return [(part_loss, torch.ones_like(part_loss))]
+
+    def depth_first(self, order: list[int]) -> None:
+        """Each part of ``order`` forward and backward once, in order (a cut tree's parts in pre-order).
+
+        A part no later part reads (a micro-batch of whole trees, a cut tree's last runs) runs its
+        backward right after its forward. A part later parts read keeps its graph until they have all
+        run theirs and sent their gradients back, then runs its own: held graphs are those of the
+        parts above the running one, the deepest chain of parts. When holding a part's graph would
+        take the held tokens beyond ``run.hold_tokens``, it runs without autograd and again,
+        with it, when its backward is due.
+        """
+        readers = {p: 0 for p in order}
+        producers = {p: self.banks.producers(p) for p in order}
+        for p in order:
+            for q in producers[p]:
+                readers[q] += 1
+        cap = self.run.hold_tokens
+        held: dict[int, _PartRun] = {}
+        held_tokens = 0
+        for p in order:
+            if not readers[p]:
+                ready = [(p, self.forward(p, grad=True, first=True))]
+            else:
+                keep = held_tokens + self.sizes[p] <= cap
+                part_run = self.forward(p, grad=keep, first=True)
+                self.banks.put(p, part_run.exports)
+                if keep:
+                    held[p], held_tokens = part_run, held_tokens + self.sizes[p]
+                del part_run
+                continue
+            while ready:  # the part's backward, then those of parts whose last reader it was
+                q, part_run = ready.pop()
+                self.backward(q, part_run, self.own_loss_terms(q, part_run))
+                del part_run
+                self.banks.release(q)
+                for r in producers[q]:
+                    readers[r] -= 1
+                    if readers[r] == 0:
+                        if r in held:
+                            held_tokens -= self.sizes[r]
+                            ready.append((r, held.pop(r)))
+                        else:
+                            ready.append((r, self.forward(r, grad=True, first=False)))
+
+    # ---- any loss: three passes ---------------------------------------------------------------------
+    def three_passes(self, order: list[int]) -> None:
+        """Forward of the parts of ``order`` without autograd (the last with it), the gradient of their
+        rows' loss with respect to the rows, then backward part by part in reverse order, all but the
+        last recomputed. Any loss: the loss sees all its rows' values at once."""
+        for p in order[:-1]:
+            self.banks.put(p, self.forward(p, grad=False, first=True).exports)
+        last = order[-1]
+        kept = self.forward(last, grad=True, first=True)  # no part comes after it: nothing banked
+        logp_leaf, ent_leaf = self.logp.clone().requires_grad_(), self.ent.clone().requires_grad_()
+        if len(order) == len(self.layouts):
+            value = self.loss_fn(logp_leaf, ent_leaf)
+        else:  # the other parts ran on their own: the loss of these parts' rows (whole trajectories)
+            rows = torch.as_tensor(np.concatenate([self.row_parts[p] for p in order]), device=self.device)
+            value = self.loss_fn.subset(rows)(logp_leaf[rows], ent_leaf[rows])
+        rows_loss = self.add(value)
+        grad_logp = grad_ent = None
+        if rows_loss.requires_grad:
+            grad_logp, grad_ent = torch.autograd.grad(rows_loss, (logp_leaf, ent_leaf), allow_unused=True)
+
+        def row_terms(p: int, part_run: _PartRun) -> list[tuple[Tensor, Tensor]]:
+            rows = self.rows(p)
+            if not rows.numel():
+                return []
+            pairs = ((part_run.logprob, grad_logp), (part_run.entropy, grad_ent))
+            return [(t, g[rows].to(t.dtype)) for t, g in pairs if g is not None]
+
+        self.backward(last, kept, row_terms(last, kept))
+        del kept
+        for p in reversed(order[:-1]):
+            part_run = self.forward(p, grad=True, first=False)
+            self.backward(p, part_run, row_terms(p, part_run))
+            del part_run
+            self.banks.release(p)  # only later parts read a part's exports, and they are done
+
+
 def forest_backward(
     model: nn.Module,
     forest: Forest,
@@ -202,9 +418,11 @@ def forest_backward(
 
     ``predictor`` [R]: unique-token index (in ``forest``) of each row's predicting position;
     ``target`` [R]: the token id it predicts. ``loss_fn`` returns a 0-dim loss, or
-    ``(loss, metrics)``; if it has ``subset(rows [r]) -> loss_fn`` over those rows alone (a sum
-    over trajectories, each of its own rows, so that the loss of whole trajectories' rows adds
-    up), micro-batches of whole trees run forward and backward once. ``budget_tokens`` (or
+    ``(loss, metrics)``. If it has ``subset(rows [r]) -> loss_fn`` over those rows alone (a sum
+    over trajectories, each of its own rows, so that the losses of whole trajectories' rows add
+    up), micro-batches of whole trees run forward and backward once; if it also sets
+    ``separable_rows = True`` (a sum of per-row terms: subsets of any rows add up), so do the parts
+    of cut trees (module docstring). ``budget_tokens`` (or
     ``run.budget_tokens``) cuts the forest into micro-batches; ``run`` holds the other execution
     knobs (:class:`~harts.runtime.config.RunConfig`).
     ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
@@ -217,182 +435,27 @@ def forest_backward(
     model = resolve_model(model)
     check_inputs(model, forest)
     predictor, target = _check_rows(forest, predictor, target, model.lm_head)
-    head = model.lm_head
-
-    def head_rows(hidden, local_predictor, row_target):
-        return row_logprobs(head, hidden, local_predictor, row_target, run.chunk_rows, temperature)
-
-    device = model_device(model)
-    clock = _Clock()
-
-    def plan_parts():
-        plan = plan_micro_batches(forest, run.budget_tokens, run.context_weight)
-        single = plan.num_micro_batches == 1
-        return plan, [layout_for(plan.forest, device, run, None if single else part) for part in plan.parts]
-
-    plan, layouts = clock.timed("plan", plan_parts)
-    sizes = [lay.num_tokens for lay in layouts]
-
-    def result(loss, metrics, logp, ent, forwards: int) -> StepResult:
-        plan_s = clock.seconds["plan"] + sum(lay.build_seconds for lay in layouts)
-        timings = {"plan": plan_s, "handoff": clock.seconds["handoff"], "total": time.perf_counter() - start}
-        return StepResult(loss.detach(), logp, ent, len(layouts), plan.num_cuts, sizes, layouts,
-                          {k: v.detach() for k, v in metrics.items()}, timings=timings,
-                          part_forwards=forwards)  # fmt: skip
-
-    # rows of each part: those whose predicting token it holds
-    part_of_token = np.empty(forest.num_tokens, dtype=np.int64)
-    local_index = np.empty(forest.num_tokens, dtype=np.int64)
-    for p, lay in enumerate(layouts):
-        part_of_token[lay.global_tokens] = p
-        local_index[lay.global_tokens] = np.arange(lay.global_tokens.size)
-    pred_np = predictor.numpy()
-    row_order = np.argsort(part_of_token[pred_np], kind="stable")
-    row_bounds = np.searchsorted(part_of_token[pred_np][row_order], np.arange(len(layouts) + 1))
-    row_parts = [row_order[row_bounds[p] : row_bounds[p + 1]] for p in range(len(layouts))]
-    num_layers = model.config.num_hidden_layers
-    banks = HandoffBanks(layouts, forest.num_tokens)
-
-    def forward_part(p: int, grad: bool, first: bool) -> _PartRun:
-        """Part ``p``'s forward and row log-probs; with ``grad``, its handed-over inputs become leaves."""
-        lay, rows = layouts[p], row_parts[p]
-        ext = clock.timed("handoff", banks.gather, p, num_layers)
-        leaves: list[tuple[int, str, int | None, Tensor]] = []
-        if grad and ext is not None:
-            for layer, h in enumerate(ext):
-                for name in ("key", "value", "conv_input"):
-                    t = getattr(h, name)
-                    if t is not None:
-                        leaf = t.detach().requires_grad_()
-                        setattr(h, name, leaf)
-                        leaves.append((layer, name, None, leaf))
-                for node in list(h.states):
-                    leaf = h.states[node].detach().requires_grad_()
-                    h.states[node] = leaf
-                    leaves.append((layer, "state", node, leaf))
-        lp = en = None
-        observer.before_part(p, lay, first)
-        with torch.set_grad_enabled(grad):
-            hidden, exports = run_layout(model, lay, ext, run.recompute_linear)
-            if rows.size:
-                local = torch.as_tensor(local_index[pred_np[rows]], device=device)
-                lp, en = head_rows(hidden, local, target[rows].to(device))
-        return _PartRun(exports, lp, en, leaves, observer.after_part(p, lay, first, grad))
-
-    # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
-    dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
-    logp = torch.empty(predictor.numel(), device=device, dtype=dtype)
-    ent = torch.empty(predictor.numel(), device=device, dtype=dtype)
-
-    def keep_rows(p: int, part_run: _PartRun) -> None:
-        rows = torch.as_tensor(row_parts[p], device=device)
-        if rows.numel():
-            logp[rows] = part_run.logprob.detach().to(logp.dtype)
-            ent[rows] = part_run.entropy.detach().to(ent.dtype)
-
-    # Parts that hold whole trees neither read from nor hand to other parts. With a loss that is a
-    # sum over trajectories of each one's own rows (``loss_fn.subset``), such a part runs forward
-    # and backward once, on its own rows, as a flat trainer runs a micro-batch; so does the single
-    # part of a forest that fits the budget, whatever the loss. Everything else (cut trees; any
-    # part when the loss couples all rows, or the observer needs the whole step's statistics
-    # first) takes the three passes below.
-    single = len(layouts) == 1
-    separable = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
-    whole = [p for p, lay in enumerate(layouts) if (single or separable) and lay.self_contained]
-    whole_set = set(whole)
-    cut = [p for p in range(len(layouts)) if p not in whole_set]
-    loss = torch.zeros((), device=device)
-    metrics: dict[str, Tensor] = {}
-    forwards = 0
-
-    def add(part_loss, part_metrics) -> None:
-        nonlocal loss
-        loss = loss + part_loss.detach()
-        for name, value in part_metrics.items():  # every metric is a sum over global normalisers
-            metrics[name] = metrics[name] + value.detach() if name in metrics else value.detach()
-
-    for p in whole:
-        part_run = forward_part(p, grad=True, first=True)
-        forwards += 1
-        keep_rows(p, part_run)
-        terms = [] if part_run.extra is None else [part_run.extra]
-        if single and not row_parts[p].size:  # a forest without rows: the loss of none
-            add(*_split_loss(loss_fn(logp, ent)))
-        elif row_parts[p].size:
-            part_loss_fn = loss_fn if single else loss_fn.subset(torch.as_tensor(row_parts[p], device=device))
-            part_loss, part_metrics = _split_loss(part_loss_fn(part_run.logprob, part_run.entropy))
-            terms.append(part_loss)
-            add(part_loss, part_metrics)
-        total = sum(terms[1:], terms[0]) if terms else None
-        if total is not None and total.requires_grad:  # nothing to differentiate when all is frozen
-            total.backward()
-        del part_run, terms, total
-    if not cut:
-        return result(loss, metrics, logp, ent, forwards)
-
-    # 1. forward of the other parts in order, without autograd except for the last one, whose graph
-    #    is kept for its backward right after the loss (no recompute for it)
-    last = cut[-1]
-    for p in cut[:-1]:
-        part_run = forward_part(p, grad=False, first=True)
-        banks.put(p, part_run.exports)
-        keep_rows(p, part_run)
-    part_run = None
-    kept = forward_part(last, grad=True, first=True)  # no part comes after it: its exports are not banked
-    keep_rows(last, kept)
-    forwards += len(cut)
-
-    # 2. the loss of their rows and its gradient with respect to the rows
-    logp_leaf, ent_leaf = logp.clone().requires_grad_(), ent.clone().requires_grad_()
-    if whole:
-        cut_rows = torch.as_tensor(np.concatenate([row_parts[p] for p in cut]), device=device)
-        cut_loss_fn = loss_fn.subset(cut_rows)
-        cut_loss, cut_metrics = _split_loss(cut_loss_fn(logp_leaf[cut_rows], ent_leaf[cut_rows]))
+    by_trajectory = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
+    by_row = by_trajectory and getattr(loss_fn, "separable_rows", False)
+    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, temperature)
+    everything = list(range(len(parts.layouts)))
+    if len(everything) == 1 or by_row:
+        parts.depth_first(everything)
+    elif by_trajectory:  # parts of whole trees on their own rows; cut trees see all their rows at once
+        whole = [p for p in everything if parts.layouts[p].self_contained]
+        cut = [p for p in everything if not parts.layouts[p].self_contained]
+        parts.depth_first(whole)
+        if cut:
+            parts.three_passes(cut)
     else:
-        cut_loss, cut_metrics = _split_loss(loss_fn(logp_leaf, ent_leaf))
-    grad_logp = grad_ent = None
-    if cut_loss.requires_grad:
-        grad_logp, grad_ent = torch.autograd.grad(cut_loss, (logp_leaf, ent_leaf), allow_unused=True)
-    add(cut_loss, cut_metrics)
-
-    # 3. backward, last part first (the others recomputed); gradients flow back through the banks
-    def backward_part(p: int, part_run: _PartRun) -> None:
-        """Run part ``p``'s backward and send its leaves' gradients back to the parts they came from.
-
-        A function, so that nothing of the part (graph outputs, leaves and their gradients, which are
-        often views of whole-layer gradient buffers) stays alive while the next part runs.
-        """
-        rows = torch.as_tensor(row_parts[p], device=device)
-        tensors, grads = [], []
-        if rows.numel():
-            for t, g in ((part_run.logprob, grad_logp), (part_run.entropy, grad_ent)):
-                if g is not None:
-                    tensors.append(t)
-                    grads.append(g[rows].to(t.dtype))
-        for (layer, name, node), g in clock.timed("handoff", banks.received, p).items():
-            h = part_run.exports[layer]
-            tensors.append(h.states[node] if name == "state" else getattr(h, name))
-            grads.append(g)
-        if part_run.extra is not None:
-            tensors.append(part_run.extra)
-            grads.append(torch.ones_like(part_run.extra))
-        # with frozen parameters (LoRA, a frozen layer, head-only training) some outputs have no graph
-        live = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
-        if live:
-            torch.autograd.backward([t for t, _ in live], [g for _, g in live])
-
-        def route():
-            for layer, name, node, leaf in part_run.leaves:
-                grad, leaf.grad = leaf.grad, None
-                if grad is not None:
-                    banks.send_back(p, layer, name, node, grad)
-
-        clock.timed("handoff", route)
-
-    backward_part(last, kept)
-    del kept
-    for p in reversed(cut[:-1]):
-        backward_part(p, forward_part(p, grad=True, first=False))
-        forwards += 1
-        banks.release(p)  # only later parts read a part's exports, and they are done
-    return result(loss, metrics, logp, ent, forwards)
+        parts.three_passes(everything)
+    layouts = parts.layouts
+    timings = {
+        "plan": parts.clock.seconds["plan"] + sum(lay.build_seconds for lay in layouts),
+        "handoff": parts.clock.seconds["handoff"],
+        "total": time.perf_counter() - start,
+    }
+    return StepResult(
+        parts.loss.detach(), parts.logp, parts.ent, len(layouts), parts.plan.num_cuts, parts.sizes, layouts,
+        parts.metrics, timings=timings, part_forwards=parts.forwards,
+    )  # fmt: skip

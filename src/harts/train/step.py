@@ -190,10 +190,13 @@ def rollout_step(
 class _PolicyLoss:
     """``compute_loss`` over ``rows``; ``subset`` gives the same loss over some of them. Every
     objective is a sum over trajectories of each one's own rows over the step's normalisers, so the
-    losses (and metrics) of subsets holding whole trajectories add up to the loss over all rows."""
+    losses (and metrics) of subsets holding whole trajectories add up to the loss over all rows;
+    every objective but GSPO (whose sequence ratio couples a trajectory's rows) is even a sum of
+    per-row terms (``separable_rows``): subsets of any rows add up, so cut trees run once."""
 
     def __init__(self, rows: LossRows, config, normalizers, old_logprob):
         self.rows, self.config, self.normalizers, self.old_logprob = rows, config, normalizers, old_logprob
+        self.separable_rows = config.kind is not LossKind.GSPO
 
     def __call__(self, logprob, entropy):
         return compute_loss(logprob, entropy, self.rows, self.config, self.normalizers, self.old_logprob)

@@ -181,6 +181,7 @@ class RunSection:
     linear_plan: str = "auto"
     chunk_rows: int = RunConfig.chunk_rows
     recompute_linear: bool = False
+    hold_tokens: int = 0
 
     def __post_init__(self):
         _one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
