@@ -215,35 +215,44 @@ def test_recomputed_linear_attention_gives_the_same_gradients(family):
 
 
 def _cost(forest, part, weight):
-    """A part's budget cost: own tokens, plus weighted context above the first node of a cut run."""
-    first = int(part.nodes[0])
-    context = int(forest.node_path_start[first]) if part.root_parents else 0
+    """A part's budget cost: own tokens, plus weighted context above each of its root nodes."""
+    context = sum(int(forest.node_path_start[root]) for root in part.root_parents)
     return part.num_tokens(forest) + weight * context
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
-def test_cut_trees_are_balanced_and_count_their_context(weight):
-    # one tree of 10-token nodes: a trunk and 14 branches (150 tokens); a fill to the budget
-    # would cut it 100 + 50
+def test_cut_trees_put_only_their_spine_in_parts_later_parts_read(weight):
+    """One tree of 10-token nodes: a trunk and 14 branches (150 tokens), budget 100. The trunk
+    (the only node whose subtree exceeds the budget) is the spine, one part; the branches are
+    packed whole, first-fit, as many per part as their tokens and context allow."""
     trajs = [list(range(10)) + [100 + 10 * b + i for i in range(10)] for b in range(14)]
     forest = harts.build_forest(trajs)
     budget = 100
     plan = plan_micro_batches(forest, budget, context_weight=weight)
-    greedy = plan_micro_batches(forest, 10**9)  # one part: the reference token count
     costs = [_cost(plan.forest, p, weight) for p in plan.parts]
-    assert sum(p.num_tokens(plan.forest) for p in plan.parts) == greedy.forest.num_tokens
+    assert sum(p.num_tokens(plan.forest) for p in plan.parts) == forest.num_tokens
     assert all(c <= budget for c in costs), costs
-    # balanced: no part is more than one node (10 tokens) plus context above the mean
+    read = [p for p, part in enumerate(plan.parts) if part.export_tokens.numel() or part.export_nodes]
+    assert read == [0] and plan.parts[0].num_tokens(plan.forest) == 10
+    per_part = int(budget // (10 + weight * 10))
+    assert plan.num_micro_batches == 1 + -(-14 // per_part)
+    assert max(p.num_tokens(plan.forest) for p in plan.parts[1:]) == 10 * min(per_part, 14)
+
+
+def test_a_long_spine_is_cut_in_balanced_runs():
+    """A 300-token trunk over two short branches, budget 100: the trunk (every piece's subtree
+    exceeds the budget) is the spine, three runs of 100; both branches fit one part, unless their
+    context (300 tokens each at weight 0.25) counts: then one part each."""
+    forest = harts.build_forest([list(range(300)) + [1000 + i for i in range(5)], list(range(300)) + [7]])
+    plan = plan_micro_batches(forest, 100, context_weight=0.0)
     sizes = [p.num_tokens(plan.forest) for p in plan.parts]
-    assert max(sizes) - min(sizes) <= 10 + weight * 10, sizes
-    # as few parts as a greedy fill to the budget would make
-    fill, used = 1, 0.0
-    for node in range(plan.forest.num_nodes):
-        length = int(plan.forest.node_length[node])
-        if used and used + length > budget:
-            fill, used = fill + 1, weight * int(plan.forest.node_path_start[node])
-        used += length
-    assert plan.num_micro_batches == fill
+    assert sum(sizes) == forest.num_tokens and max(sizes) <= 100
+    spine = [s for p, s in zip(plan.parts, sizes, strict=True) if p.export_tokens.numel()]
+    assert spine == [100, 100, 100] and len(sizes) == 4, sizes
+    weighted = plan_micro_batches(forest, 100, context_weight=0.25)
+    # (a spine run of one 100-token piece exceeds the budget by its context: a run takes a node)
+    costs = [_cost(weighted.forest, p, 0.25) for p in weighted.parts[3:]]
+    assert max(costs) <= 100 and weighted.num_micro_batches == 5, costs
 
 
 def test_context_weight_must_lie_in_unit_interval():

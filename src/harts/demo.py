@@ -6,7 +6,9 @@ rollout set (a long shared system prompt, several turns, branches where earlier-
 dropped). From the same seed, ``--steps`` optimizer steps (SFT, AdamW) run once in the tree
 layout and once in the flat layout (``share_prefixes=False``: the same :func:`harts.rollout_step`,
 code and kernels, each trajectory its own root), both in micro-batches of at most ``--budget``
-unique tokens, the way a trainer bounds memory. The demo prints the redundancy, the loss of
+unique tokens, the way a trainer bounds memory. The flat layout runs as a flat trainer does: whole
+trajectories packed up to the budget (never cut; the budget is raised to the longest trajectory
+if needed), each micro-batch forward and backward once. The demo prints the redundancy, the loss of
 every step side by side (equal up to fp32 rounding), the time per step, each layout's tensor
 peak for one step, and the speedup beside the FLOP-ideal one (docs/benchmarks.md).
 
@@ -106,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [harts.Rollout(t) for t in trajectories]
     train(model, rollouts, True, args.budget, 1, args.seed)  # warm-up: first-call allocations
     tree_loss, tree_s, tree_w = train(model, rollouts, True, args.budget, args.steps, args.seed)
-    flat_loss, flat_s, flat_w = train(model, rollouts, False, args.budget, args.steps, args.seed)
+    flat_budget = max(args.budget, max(len(t) for t in trajectories))  # whole trajectories, never cut
+    flat_loss, flat_s, flat_w = train(model, rollouts, False, flat_budget, args.steps, args.seed)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines
-    peaks = [peak_mib(model, rollouts, share, args.budget) for share in (True, False)]
+    peaks = [peak_mib(model, rollouts, share, b) for share, b in ((True, args.budget), (False, flat_budget))]
     with torch.no_grad():
         out_t, out_f = harts.forward(model, tree), harts.forward(model, flat)
         logit_diff = max(

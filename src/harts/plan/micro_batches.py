@@ -1,19 +1,23 @@
 """Micro-batch planning: pack whole trees under a token budget, cut larger trees at node boundaries.
 
 A micro-batch (a *part*) is a set of forest nodes whose parents are either in the part or in an
-earlier part. Trees that fit the budget are packed whole, first-fit decreasing. A tree larger
-than the budget is first refined so that no node is longer than the budget (a long node becomes
-a chain of pieces: the same tokens, the same paths), then cut into consecutive runs of nodes in
-pre-order, of about equal size (the largest part sets the peak memory). Pre-order makes every
-such run closed: a node's parent is either in the run or before it.
+earlier part. The forest is first refined so that no node is longer than the budget (a long
+node becomes a chain of pieces: the same tokens, the same paths). A tree larger than the budget
+has a *spine*: its nodes whose subtree exceeds the budget, a connected top of the tree (the
+shared prefixes). Spines are cut into consecutive runs of their nodes in pre-order, as few as the
+budget allows and of about equal size; pre-order makes every such run closed (a node's parent is
+in the run or before it). Everything else is a whole tree or a subtree hanging off a spine that
+fits the budget; these are packed whole, first-fit decreasing, after the spines. So only spine
+parts are read by later parts: a step that must hold or recompute what later parts read
+(:mod:`harts.runtime.step`) does so for the spines alone, usually a small share of the tokens.
 
 For each part the plan records what crosses its boundary: the *external* tokens (tokens of
 ancestors in earlier parts, whose keys/values and convolution inputs the part reads) and the
 external parents of its roots (whose final linear-attention states start its segments); and, in
 the other direction, which of its own tokens and nodes later parts read (its exports).
 
-The budget counts a part's own tokens plus, for a cut run, ``context_weight`` times the tokens on
-the path above its first node (the context it reads from earlier parts). A context token costs a
+The budget counts a part's own tokens plus ``context_weight`` times the tokens on the paths above
+its roots (the context it reads from earlier parts). A context token costs a
 part only its handed-over keys/values and convolution inputs and their gradients, not a token's
 activations: about a fifth of a token on the bailing_hybrid bench config (about 17 KB against
 85 KB per token), hence the default of 0.25. A run always takes at least one node, so a part whose
@@ -112,14 +116,15 @@ class MicroBatchPlan:
         return sum(1 for p in self.parts if p.root_parents)
 
 
-def _runs(lengths, path_start, first: int, end: int, cap: int, context_weight: float) -> list[np.ndarray]:
-    """Nodes ``first..end-1`` (one tree, pre-order) cut greedily into runs costing at most ``cap``.
+def _runs(lengths, path_start, nodes: np.ndarray, cap: int, context_weight: float) -> list[np.ndarray]:
+    """``nodes`` (pre-order, each node's parent among them or before them) cut greedily into runs
+    costing at most ``cap``.
 
     A run costs its tokens plus ``context_weight`` per token on the path above its first node
     (pre-order: every external ancestor of the run is on that path); it takes at least one node.
     """
     runs, run, used = [], [], 0.0
-    for node in range(first, end):
+    for node in nodes.tolist():
         if run and used + lengths[node] > cap:
             runs.append(np.asarray(run))
             run = []
@@ -127,45 +132,74 @@ def _runs(lengths, path_start, first: int, end: int, cap: int, context_weight: f
             used = context_weight * float(path_start[node])
         run.append(node)
         used += int(lengths[node])
-    runs.append(np.asarray(run))
+    if run:
+        runs.append(np.asarray(run))
     return runs
 
 
+def _balanced_runs(lengths, path_start, nodes: np.ndarray, budget: int, context_weight: float):
+    """As few runs as the budget allows, and among cuts into that many runs the one with the
+    smallest largest run (bisection on a cap): the largest part sets the peak memory."""
+    count = len(_runs(lengths, path_start, nodes, budget, context_weight))
+    lo, hi = 1, budget
+    while lo < hi:
+        cap = (lo + hi) // 2
+        if len(_runs(lengths, path_start, nodes, cap, context_weight)) <= count:
+            hi = cap
+        else:
+            lo = cap + 1
+    return _runs(lengths, path_start, nodes, hi, context_weight)
+
+
 def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray]:
-    """Node groups: whole trees first-fit decreasing, oversized trees cut in pre-order runs."""
+    """Node groups: the spines of oversized trees cut in pre-order runs, then bins of whole trees
+    and of the subtrees hanging off the spines, first-fit decreasing.
+
+    The *spine* of a tree larger than the budget is its nodes whose subtree exceeds the budget (a
+    connected top of the tree: the shared prefixes). Every other node lies in a subtree that fits
+    the budget and hangs off a spine node; such a subtree is packed whole, like a small tree,
+    costing its tokens plus ``context_weight`` per token of the path above it. Later parts read
+    only spine parts, so only those wait for their readers' gradients (or run again in backward),
+    and the spine is usually a small share of the tokens. A subtree whose context makes it cost
+    more than the budget is cut in pre-order runs itself.
+    """
     lengths = forest.node_length.numpy()
     path_start = forest.node_path_start.numpy()
-    roots = np.flatnonzero(forest.node_parent.numpy() < 0)
+    parent = forest.node_parent.numpy()
     ends = forest.node_subtree_end.numpy()
-    sizes = np.array([lengths[r : ends[r]].sum() for r in roots])
-    bins: list[list[int]] = []  # roots per bin
-    bin_room: list[int] = []
-    groups: list[np.ndarray] = []
-    for i in np.argsort(-sizes, kind="stable"):
-        root, size = int(roots[i]), int(sizes[i])
-        if size > budget:
-            # Peak memory is set by the largest part: as few runs as the budget allows, and among
-            # cuts into that many runs the one with the smallest largest run (bisection on a cap).
-            runs = _runs(lengths, path_start, root, int(ends[root]), budget, context_weight)
-            lo, hi = 1, budget
-            while lo < hi:
-                cap = (lo + hi) // 2
-                if len(_runs(lengths, path_start, root, int(ends[root]), cap, context_weight)) <= len(runs):
-                    hi = cap
-                else:
-                    lo = cap + 1
-            groups.extend(_runs(lengths, path_start, root, int(ends[root]), hi, context_weight))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])  # pre-order node ids: a subtree is a range
+    subtree = offsets[ends] - offsets[np.arange(lengths.size)]
+    spine = subtree > budget
+    # units: whole trees that fit, and subtrees off a spine (not spine, parent on the spine)
+    roots = np.flatnonzero(parent < 0)
+    hanging = np.flatnonzero(~spine & (parent >= 0))
+    hanging = hanging[spine[parent[hanging]]]
+    units = np.concatenate([roots[~spine[roots]], hanging])
+    costs = subtree[units] + context_weight * path_start[units]
+    spine_runs: list[np.ndarray] = []
+    for root in roots[spine[roots]].tolist():
+        nodes = np.arange(root, ends[root])
+        spine_runs.extend(_balanced_runs(lengths, path_start, nodes[spine[nodes]], budget, context_weight))
+    bins: list[list[int]] = []  # unit roots per bin
+    bin_room: list[float] = []
+    cut_units: list[np.ndarray] = []
+    for i in np.argsort(-costs, kind="stable").tolist():
+        unit, cost = int(units[i]), float(costs[i])
+        if cost > budget:
+            nodes = np.arange(unit, ends[unit])
+            cut_units.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))
             continue
         for b, room in enumerate(bin_room):
-            if size <= room:
-                bins[b].append(root)
-                bin_room[b] -= size
+            if cost <= room:
+                bins[b].append(unit)
+                bin_room[b] -= cost
                 break
         else:
-            bins.append([root])
-            bin_room.append(budget - size)
-    whole = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)]) for b in bins]
-    return whole + groups  # cut trees run after the packed ones; their runs stay in order
+            bins.append([unit])
+            bin_room.append(budget - cost)
+    packed = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)]) for b in bins]
+    # readers after the parts they read: spines first (pre-order), then the packed bins and cut units
+    return spine_runs + packed + cut_units
 
 
 DEFAULT_CONTEXT_WEIGHT = 0.25
