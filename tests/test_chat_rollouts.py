@@ -298,3 +298,18 @@ def test_parquet_chat_rows_read_as_the_jsonl_lines(tmp_path, tokenizer_dir):
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"bad.parquet, row 0, field 'messages', message 1: unknown role"):
         read_rollouts(tmp_path / "bad.parquet", tokenizer=tokenizer_dir)
+
+
+def test_analyze_reads_a_chat_file_with_its_tokenizer(tmp_path, tokenizer_dir, capsys):
+    from harts.cli import main
+
+    b = CONVERSATION[:-1] + [{"role": "assistant", "content": "Sunny, 18C."}]
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": m, "group_id": "paris"} for m in (CONVERSATION, b)])
+    main(["analyze", str(path), "--tokenizer", str(tokenizer_dir), "--json"])
+    stats = json.loads(capsys.readouterr().out)
+    ra, rb = read_rollouts(path, tokenizer=tokenizer_dir)
+    assert stats["trajectories"] == 2
+    assert stats["unique_tokens"] == harts.build_forest([ra.tokens, rb.tokens]).num_tokens
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", str(path)])
+    assert exit_info.value.code == 2 and "tokenizer" in capsys.readouterr().err

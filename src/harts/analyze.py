@@ -133,8 +133,11 @@ def _page(path: Path, stats: dict, svg: str) -> str:
     )
 
 
-def analyze(path: str | Path, model: str | None = None, budget: int | None = None) -> tuple[dict, Forest]:
-    rollouts = read_rollouts(path)
+def analyze(
+    path: str | Path, model: str | None = None, budget: int | None = None, tokenizer=None
+) -> tuple[dict, Forest]:
+    """The figures of a rollout file (``tokenizer``: for a file in chat form) and its forest."""
+    rollouts = read_rollouts(path, tokenizer=tokenizer)
     trajectories = [r.tokens for r in rollouts]
     forest = build_forest(trajectories)
     stats = forest_stats(forest)
@@ -148,10 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("file", help="rollout file (.jsonl or .parquet)")
     p.add_argument("--model", help=f"a tiny family ({', '.join(FAMILIES)}) or a local model directory")
     p.add_argument("--budget", type=int, default=None, help="unique tokens per micro-batch for the plan")
+    p.add_argument("--tokenizer", help="local tokenizer directory, for a file in chat form (messages)")
     p.add_argument("--html", help="write a self-contained page with a picture of the forest")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
-    stats, forest = analyze(a.file, a.model, a.budget)
+    stats, forest = analyze(a.file, a.model, a.budget, a.tokenizer)
     if a.json:
         print(json.dumps(stats))
     else:
