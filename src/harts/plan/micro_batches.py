@@ -7,9 +7,10 @@ has a *spine*: its nodes whose subtree exceeds the budget, a connected top of th
 shared prefixes). Spines are cut into consecutive runs of their nodes in pre-order, as few as the
 budget allows and of about equal size; pre-order makes every such run closed (a node's parent is
 in the run or before it). Everything else is a whole tree or a subtree hanging off a spine that
-fits the budget; these are packed whole, first-fit decreasing, after the spines. So only spine
-parts are read by later parts: a step that must hold or recompute what later parts read
-(:mod:`harts.runtime.step`) does so for the spines alone, usually a small share of the tokens.
+fits the budget; these are packed whole, first-fit decreasing: whole trees first, a spine's
+subtrees right after the spine run they hang off. So only spine parts are read by later parts: a
+step that must hold or recompute what later parts read (:mod:`harts.runtime.step`) does so for
+the spines alone, and holds only the chain of spine runs above the running part.
 
 For each part the plan records what crosses its boundary: the *external* tokens (tokens of
 ancestors in earlier parts, whose keys/values and convolution inputs the part reads) and the
@@ -151,17 +152,35 @@ def _balanced_runs(lengths, path_start, nodes: np.ndarray, budget: int, context_
     return _runs(lengths, path_start, nodes, hi, context_weight)
 
 
+def _first_fit(units: np.ndarray, costs: np.ndarray, budget: int) -> list[list[int]]:
+    """Units (subtree roots) packed first-fit decreasing by cost into bins of ``budget``."""
+    bins: list[list[int]] = []
+    room: list[float] = []
+    for i in np.argsort(-costs, kind="stable").tolist():
+        unit, cost = int(units[i]), float(costs[i])
+        for b, left in enumerate(room):
+            if cost <= left:
+                bins[b].append(unit)
+                room[b] -= cost
+                break
+        else:
+            bins.append([unit])
+            room.append(budget - cost)
+    return bins
+
+
 def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray]:
-    """Node groups: the spines of oversized trees cut in pre-order runs, then bins of whole trees
-    and of the subtrees hanging off the spines, first-fit decreasing.
+    """Node groups: whole trees packed first-fit decreasing; each oversized tree's spine cut in
+    pre-order runs, each run followed by the subtrees hanging off it, packed the same way.
 
     The *spine* of a tree larger than the budget is its nodes whose subtree exceeds the budget (a
-    connected top of the tree: the shared prefixes). Every other node lies in a subtree that fits
-    the budget and hangs off a spine node; such a subtree is packed whole, like a small tree,
-    costing its tokens plus ``context_weight`` per token of the path above it. Later parts read
-    only spine parts, so only those wait for their readers' gradients (or run again in backward),
-    and the spine is usually a small share of the tokens. A subtree whose context makes it cost
-    more than the budget is cut in pre-order runs itself.
+    connected top of the tree: the shared prefixes, and the first pieces of long nodes). Every
+    other node lies in a subtree that fits the budget and hangs off a spine node; such a subtree
+    is packed whole, like a small tree, costing its tokens plus ``context_weight`` per token of the
+    path above it (one whose context makes it cost more is cut in pre-order runs itself). Later
+    parts read only spine parts, and a spine run's readers come right after it (its subtrees) or
+    descend from it (later runs in pre-order): a step walking the parts depth first holds the
+    chain of spine runs above the running part, never the whole spine.
     """
     lengths = forest.node_length.numpy()
     path_start = forest.node_path_start.numpy()
@@ -170,36 +189,33 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
     offsets = np.concatenate([[0], np.cumsum(lengths)])  # pre-order node ids: a subtree is a range
     subtree = offsets[ends] - offsets[np.arange(lengths.size)]
     spine = subtree > budget
-    # units: whole trees that fit, and subtrees off a spine (not spine, parent on the spine)
+
+    def packed(units: np.ndarray) -> list[np.ndarray]:
+        costs = subtree[units] + context_weight * path_start[units]
+        fits = costs <= budget
+        groups = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)])
+                  for b in _first_fit(units[fits], costs[fits], budget)]  # fmt: skip
+        for unit in units[~fits].tolist():
+            nodes = np.arange(unit, ends[unit])
+            groups.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))
+        return groups
+
     roots = np.flatnonzero(parent < 0)
+    groups = packed(roots[~spine[roots]])  # whole trees
     hanging = np.flatnonzero(~spine & (parent >= 0))
-    hanging = hanging[spine[parent[hanging]]]
-    units = np.concatenate([roots[~spine[roots]], hanging])
-    costs = subtree[units] + context_weight * path_start[units]
-    spine_runs: list[np.ndarray] = []
+    hanging = hanging[spine[parent[hanging]]]  # subtrees off a spine node
+    run_of = np.full(lengths.size, -1, dtype=np.int64)
     for root in roots[spine[roots]].tolist():
         nodes = np.arange(root, ends[root])
-        spine_runs.extend(_balanced_runs(lengths, path_start, nodes[spine[nodes]], budget, context_weight))
-    bins: list[list[int]] = []  # unit roots per bin
-    bin_room: list[float] = []
-    cut_units: list[np.ndarray] = []
-    for i in np.argsort(-costs, kind="stable").tolist():
-        unit, cost = int(units[i]), float(costs[i])
-        if cost > budget:
-            nodes = np.arange(unit, ends[unit])
-            cut_units.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))
-            continue
-        for b, room in enumerate(bin_room):
-            if cost <= room:
-                bins[b].append(unit)
-                bin_room[b] -= cost
-                break
-        else:
-            bins.append([unit])
-            bin_room.append(budget - cost)
-    packed = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)]) for b in bins]
-    # readers after the parts they read: spines first (pre-order), then the packed bins and cut units
-    return spine_runs + packed + cut_units
+        runs = _balanced_runs(lengths, path_start, nodes[spine[nodes]], budget, context_weight)
+        for r, run in enumerate(runs):
+            run_of[run] = r
+        mine = hanging[(hanging >= root) & (hanging < ends[root])]
+        by_run = run_of[parent[mine]]
+        for r, run in enumerate(runs):
+            groups.append(run)
+            groups.extend(packed(mine[by_run == r]))
+    return groups
 
 
 DEFAULT_CONTEXT_WEIGHT = 0.25

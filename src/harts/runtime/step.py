@@ -183,6 +183,12 @@ class _PartRun:
     extra: Tensor | None  # the observer's loss term
 
 
+def _detached(h: LayerHandoff) -> LayerHandoff:
+    """The same hand-over without its graph (the tensors share storage)."""
+    d = lambda t: None if t is None else t.detach()  # noqa: E731
+    return LayerHandoff(d(h.key), d(h.value), d(h.conv_input), {n: t.detach() for n, t in h.states.items()})
+
+
 class _Clock:
     def __init__(self):
         self.seconds: dict[str, float] = {"plan": 0.0, "handoff": 0.0}
@@ -326,12 +332,13 @@ class _Parts:
     def depth_first(self, order: list[int]) -> None:
         """Each part of ``order`` forward and backward once, in order (a cut tree's parts in pre-order).
 
-        A part no later part reads (a micro-batch of whole trees, a cut tree's last runs) runs its
+        A part no later part reads (a micro-batch of whole trees, a subtree off a spine) runs its
         backward right after its forward. A part later parts read keeps its graph until they have all
         run theirs and sent their gradients back, then runs its own: held graphs are those of the
-        parts above the running one, the deepest chain of parts. When holding a part's graph would
-        take the held tokens beyond ``run.hold_tokens``, it runs without autograd and again,
-        with it, when its backward is due.
+        parts above the running one, the chain of spine runs. When holding a part's graph would take
+        the held tokens beyond ``run.hold_tokens``, the oldest held graphs are dropped first (the
+        parts above, which wait longest); a dropped part, or one larger than the bound, runs again,
+        with autograd, when its backward is due.
         """
         readers = {p: 0 for p in order}
         producers = {p: self.banks.producers(p) for p in order}
@@ -345,9 +352,13 @@ class _Parts:
             if not readers[p]:
                 ready = [(p, self.forward(p, grad=True, first=True))]
             else:
-                keep = held_tokens + self.sizes[p] <= cap
+                keep = self.sizes[p] <= cap
+                while keep and held and held_tokens + self.sizes[p] > cap:
+                    dropped = next(iter(held))  # the oldest: its graph is freed, it runs again later
+                    held_tokens -= self.sizes[dropped]
+                    del held[dropped]
                 part_run = self.forward(p, grad=keep, first=True)
-                self.banks.put(p, part_run.exports)
+                self.banks.put(p, [_detached(h) for h in part_run.exports])  # readers take no graph
                 if keep:
                     held[p], held_tokens = part_run, held_tokens + self.sizes[p]
                 del part_run
