@@ -54,9 +54,12 @@ SECTIONS = dict(
 
 
 def _start(config, out):
+    # a shell that runs the suite in the background starts it with SIGINT ignored, which the child
+    # would inherit (and Python would keep): give the child the default disposition, as a terminal's
     return subprocess.Popen(
         [sys.executable, "-m", "harts.cli", "train", str(config), "--out", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
 
 
