@@ -271,3 +271,35 @@ def test_fp64_model_keeps_fp64_rows_across_cuts():
     assert got.num_cuts >= 1 and got.logprob.dtype == torch.float64
     errors = grad_relative_errors(grads, ref_grads)
     assert max(errors.values()) <= 1e-10, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_held_graphs_are_bounded_by_hold_tokens():
+    """The tensor peak of a budgeted step (live bytes, not time): with nothing held it stays near
+    one micro-batch's, far below the whole forest's; holding every spine graph raises it; a bound
+    of one part's tokens sits between."""
+    from harts.bench.memory import tensor_peak_bytes
+
+    model = model_of("llama")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    trunk = torch.randint(0, vocab, (240,), generator=gen).tolist()
+    trajs = [trunk + torch.randint(0, vocab, (60,), generator=gen).tolist() for _ in range(6)]
+    forest = harts.build_forest(trajs)
+    predictor, target = next_token_rows(forest)
+    loss = RowLoss(forest)
+
+    def peak(run):
+        def step():
+            forest_backward(model, forest, predictor, target, loss, run=run)
+
+        reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+        step()
+        reset()
+        return tensor_peak_bytes(step, reset)
+
+    whole = peak(harts.RunConfig())
+    none_held = peak(harts.RunConfig(budget_tokens=64))
+    one_held = peak(harts.RunConfig(budget_tokens=64, hold_tokens=64))
+    all_held = peak(harts.RunConfig(budget_tokens=64, hold_tokens=10**9))
+    assert none_held < 0.5 * whole, (none_held, whole)
+    assert none_held < one_held < all_held, (none_held, one_held, all_held)

@@ -206,11 +206,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
                    help="how linear-attention layers are cut into calls")
     p.add_argument("--recompute-linear", action="store_true",
                    help="recompute linear-attention calls in backward (less memory, more time)")
+    p.add_argument("--hold-tokens", type=int, default=0,
+                   help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards)")
     p.add_argument("--step", choices=sorted(STEPS), default="forest_step")
     a = p.parse_args(argv)
     run_config = RunConfig(
-        budget_tokens=a.budget, linear_plan=a.linear_plan, recompute_linear=a.recompute_linear
-    )
+        budget_tokens=a.budget, linear_plan=a.linear_plan, recompute_linear=a.recompute_linear,
+        hold_tokens=a.hold_tokens,
+    )  # fmt: skip
     cfg = BenchConfig(
         shapes=tuple(a.shapes),
         families=tuple(a.families),
