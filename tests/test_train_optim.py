@@ -15,16 +15,7 @@ from harts.runtime.routers import find_routers
 from harts.testing import FAMILIES, tiny_model
 from harts.trainer.config import OptimizerConfig, ScheduleConfig
 from harts.trainer.optim import build_optimizers, freeze_routers
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core machine makes two threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.train_helpers import one_thread  # noqa: F401 (autouse: one thread)
 
 ROLLOUTS = [harts.Rollout([5, 6, 7, 8, 9, 10, 11, 12]), harts.Rollout([5, 6, 7, 8, 20, 21, 22])]
 SFT = harts.PolicyLossConfig(kind="sft")

@@ -26,17 +26,14 @@ from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
 from harts.trainer.loop import train_step
 from harts.trainer.optim import build_optimizers
-from tests.train_helpers import ROOT, write_config
+from tests.train_helpers import (
+    ROOT,
+    one_thread,  # noqa: F401 (autouse: one thread)
+    write_config,
+)
 
 STEPS = 16
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(tmp_path):

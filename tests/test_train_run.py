@@ -23,16 +23,13 @@ from harts.trainer.checkpoint import MANIFEST, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.loop import train
 from harts.trainer.progress import write_plot
-from tests.train_helpers import EXAMPLE_ROLLOUTS, FAMILY, ROOT, write_config
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core machine makes two threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.train_helpers import (
+    EXAMPLE_ROLLOUTS,
+    FAMILY,
+    ROOT,
+    one_thread,  # noqa: F401 (autouse: one thread)
+    write_config,
+)
 
 
 def _train(config, out, *extra) -> int:

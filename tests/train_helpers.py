@@ -9,11 +9,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from harts.testing import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_ROLLOUTS = ROOT / "examples" / "rollouts.jsonl"
 FAMILY = FAMILIES[0]  # the newest family the installed transformers has (hybrid attention + MoE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy 2-core machine makes two threads crawl.
+    A test module that imports this fixture runs on one thread and restores the count after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def toml_value(value) -> str:

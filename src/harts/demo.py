@@ -24,6 +24,7 @@ import time
 import torch
 
 import harts
+from harts.bench.cases import flat_run
 from harts.bench.flops import flop_model, ideal_speedup
 from harts.bench.memory import tensor_peak_bytes
 from harts.data.synthetic import agentic
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     rollouts = [harts.Rollout(t) for t in trajectories]
     train(model, rollouts, True, args.budget, 1, args.seed)  # warm-up: first-call allocations
     tree_loss, tree_s, tree_w = train(model, rollouts, True, args.budget, args.steps, args.seed)
-    flat_budget = max(args.budget, max(len(t) for t in trajectories))  # whole trajectories, never cut
+    flat_budget = flat_run(harts.RunConfig(budget_tokens=args.budget), flat).budget_tokens  # never cut
     flat_loss, flat_s, flat_w = train(model, rollouts, False, flat_budget, args.steps, args.seed)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines
     peaks = [peak_mib(model, rollouts, share, b) for share, b in ((True, args.budget), (False, flat_budget))]

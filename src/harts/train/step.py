@@ -2,7 +2,7 @@
 
 ::
 
-    rollout_step: validate_rollouts -> build_forest -> build_loss_rows -> forest_step
+    rollout_step: step_inputs (validate_rollouts -> build_forest -> build_loss_rows) -> forest_step
     forest_step:  checks (before any compute) -> forest_backward with
                   loss_fn = compute_loss(logprob, entropy, rows, config, normalizers)
                   (+ MoE statistics and the load-balancing loss, part by part, when asked)
@@ -47,7 +47,7 @@ from harts.runtime.routers import RouterRecorder
 from harts.runtime.step import StepResult, forest_backward
 from harts.train.moe import MoEObserver, resolve_aux_coef
 
-__all__ = ["rollout_step", "forest_step"]
+__all__ = ["rollout_step", "forest_step", "step_inputs"]
 
 Tensor = torch.Tensor
 
@@ -150,6 +150,17 @@ def forest_step(
     return result
 
 
+def step_inputs(
+    model: nn.Module, rollouts: Sequence[Rollout], share_prefixes: bool = True
+) -> tuple[Forest, LossRows]:
+    """The forest and loss rows of a batch of rollouts, checked (against the model's vocabulary
+    too) before anything is built: what :func:`rollout_step` runs :func:`forest_step` on, for a
+    caller that changes the rows in between (advantages estimated on the step, say)."""
+    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
+    forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
+    return forest, build_loss_rows(forest, rollouts)
+
+
 def rollout_step(
     model: nn.Module,
     rollouts: Sequence[Rollout],
@@ -179,9 +190,7 @@ def rollout_step(
     model = resolve_model(model)
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
-    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
-    forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
-    rows = build_loss_rows(forest, rollouts)
+    forest, rows = step_inputs(model, rollouts, share_prefixes)
     result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
     result.batch_layout = getattr(rollouts, "layout", None)
     return result

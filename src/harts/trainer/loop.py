@@ -29,17 +29,16 @@ import torch
 
 from harts.adapters import adapter_for
 from harts.adapters.base import MoEBalancing
-from harts.forest import Forest, build_forest
+from harts.forest import Forest
 from harts.objectives.advantages import estimate_advantages
 from harts.objectives.losses import LossKind, PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig, bias_update
-from harts.objectives.rollout import Rollout, validate_rollouts
-from harts.objectives.rows import build_loss_rows
+from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.routers import find_routers
 from harts.runtime.step import StepResult
 from harts.train.moe import resolve_aux_coef
-from harts.train.step import forest_step
+from harts.train.step import forest_step, step_inputs
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, write_checkpoint
 from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.inputs import (
@@ -76,11 +75,9 @@ def train_step(
     moe: MoEConfig | None,
 ) -> tuple[StepResult, Forest]:
     """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
-    path (validate, forest, rows, :func:`harts.forest_step`) with the advantages estimated on the
-    step's rows in between when ``objective.advantage`` names an estimator."""
-    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
-    forest = build_forest([c.tokens for c in checked])
-    rows = build_loss_rows(forest, rollouts)
+    path (:func:`~harts.train.step.step_inputs`, then :func:`harts.forest_step`) with the advantages
+    estimated on the step's rows in between when ``objective.advantage`` names an estimator."""
+    forest, rows = step_inputs(model, rollouts)
     if objective.advantage is not None:
         if rows.has_advantage:
             raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
