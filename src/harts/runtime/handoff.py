@@ -38,6 +38,13 @@ class LayerHandoff:
     conv_input: torch.Tensor | None = None
     states: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def detached(self) -> LayerHandoff:
+        """The same hand-over without its graph (the tensors share storage): what readers take from
+        a part whose graph is held, so that dropping the graph frees it."""
+        d = lambda t: None if t is None else t.detach()  # noqa: E731
+        states = {n: t.detach() for n, t in self.states.items()}
+        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states)
+
 
 class MixerContext:
     """What a token mixer needs beyond its input, and the three sequence ops it calls.

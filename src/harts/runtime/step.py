@@ -183,12 +183,6 @@ class _PartRun:
     extra: Tensor | None  # the observer's loss term
 
 
-def _detached(h: LayerHandoff) -> LayerHandoff:
-    """The same hand-over without its graph (the tensors share storage)."""
-    d = lambda t: None if t is None else t.detach()  # noqa: E731
-    return LayerHandoff(d(h.key), d(h.value), d(h.conv_input), {n: t.detach() for n, t in h.states.items()})
-
-
 class _Clock:
     def __init__(self):
         self.seconds: dict[str, float] = {"plan": 0.0, "handoff": 0.0}
@@ -358,7 +352,7 @@ class _Parts:
                     held_tokens -= self.sizes[dropped]
                     del held[dropped]
                 part_run = self.forward(p, grad=keep, first=True)
-                self.banks.put(p, [_detached(h) for h in part_run.exports])  # readers take no graph
+                self.banks.put(p, [h.detached() for h in part_run.exports])  # readers take no graph
                 if keep:
                     held[p], held_tokens = part_run, held_tokens + self.sizes[p]
                 del part_run
