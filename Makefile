@@ -8,8 +8,11 @@ TORCH_PIN := torch==2.13.0
 # Families it lacks (bailing_hybrid, kimi_linear) are skipped there, saying so.
 OLDEST := .venv-oldest
 OLDEST_TRANSFORMERS := transformers==5.10.4
+# The GPU kernels (the `gpu` extra) checked on the CPU under the triton interpreter, in their own venv:
+# with triton present, transformers picks its kernels at import and `.venv`'s stock forward would fail.
+KERNELS := .venv-kernels
 
-.PHONY: demo test test-newest test-oldest lint bench clean
+.PHONY: demo test test-newest test-oldest test-kernels lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +28,14 @@ $(OLDEST)/.installed: pyproject.toml
 	$(OLDEST)/bin/python -m pip install -q -e ".[dev]" $(OLDEST_TRANSFORMERS)
 	touch $@
 
+$(KERNELS)/.installed: pyproject.toml
+	test -x $(KERNELS)/bin/python || $(PYTHON) -m venv $(KERNELS)
+	echo '*' > $(KERNELS)/.gitignore  # as python 3.13's venv writes: git never sees it
+	$(KERNELS)/bin/python -m pip install -q --upgrade pip
+	$(KERNELS)/bin/python -m pip install -q $(TORCH_PIN)
+	$(KERNELS)/bin/python -m pip install -q -e ".[dev,gpu]" $(TORCH_PIN)
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) -m harts.demo
 
@@ -37,6 +48,10 @@ test-newest: $(VENV)/.installed
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider
 
+# tests_kernels/ (never collected by `make test`): fla's triton kernels and FlexAttention on CPU tensors
+test-kernels: $(KERNELS)/.installed
+	TRITON_INTERPRET=1 $(KERNELS)/bin/python -m pytest -q -p no:cacheprovider tests_kernels
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 
@@ -45,4 +60,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/harts bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST) $(KERNELS) build src/*.egg-info .pytest_cache

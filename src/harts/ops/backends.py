@@ -10,10 +10,11 @@ backend is added: register it with :func:`register_backend` and select it with
 :func:`use_backend`.
 
 Built in: ``torch``, plain PyTorch on any device (the CPU path, and a correct GPU path through
-SDPA and batched matmuls). Kernels such as flash-linear-attention's varlen ``chunk_kda`` /
-``chunk_gated_delta_rule`` (which take ``cu_seqlens`` and per-sequence initial states and
-backpropagate into them) and ``flex_attention`` block masks fit this seam; none is registered
-here, since each must first pass the equivalence tests on a GPU.
+SDPA and batched matmuls), the default. Registered: ``fla`` (:mod:`harts.ops.fla_backend`):
+flash-linear-attention's varlen ``chunk_kda`` / ``chunk_gated_delta_rule`` for the delta rule and
+a FlexAttention block mask for tree attention, for CUDA devices; it needs the ``gpu`` extra and is
+imported only when first selected, so an install without it never loads fla or triton
+(docs/gpu.md says what was validated where).
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ def _torch_backend() -> Backend:
     return Backend("torch", chunked_gated_delta_rule, tree_attention)
 
 
-_REGISTRY: dict[str, Callable[[], Backend]] = {"torch": _torch_backend}
+def _fla_backend() -> Backend:
+    from harts.ops.fla_backend import fla_delta_rule, flex_tree_attention, require_fla
+
+    require_fla()
+    return Backend("fla", fla_delta_rule, flex_tree_attention)
+
+
+_REGISTRY: dict[str, Callable[[], Backend]] = {"torch": _torch_backend, "fla": _fla_backend}
 _ACTIVE = ["torch"]
 _CACHE: dict[str, Backend] = {}
 
