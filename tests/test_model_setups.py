@@ -365,7 +365,16 @@ def test_wrapped_models(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        _refused(torch.nn.parallel.DistributedDataParallel(model), "wrapped in DistributedDataParallel")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(ValueError, match="wrapped in DistributedDataParallel.*rollout_step"):
+            harts.forward(ddp, forest)  # no gradient synchronisation there: refused
+        rollouts = [harts.Rollout(t) for t in TRAJS]
+        stepped = harts.rollout_step(ddp, rollouts, SFT)  # the step synchronises (one rank here)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        plain = harts.rollout_step(model, rollouts, SFT)
+        assert torch.equal(stepped.loss, plain.loss)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
     finally:
         dist.destroy_process_group()
     prompt = get_peft_model(

@@ -80,7 +80,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, capsys):
     done = [c.step for c in list_checkpoints(killed / "checkpoints")]
     assert done and done[-1] < STEPS  # the kill landed mid-run
     # a save the kill cut short, for a later step than any complete one: never read
-    partial = killed / "checkpoints" / f".tmp-step-{STEPS - 1:06d}-1"
+    partial = killed / "checkpoints" / f".tmp-step-{STEPS - 1:06d}"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"half")
 

@@ -6,8 +6,11 @@ never the forward of the whole model, of a decoder layer or of an attention modu
 - wrappers whose forward only delegates are unwrapped: ``torch.compile`` (``OptimizedModule``)
   and peft's ``PeftModel`` with weight adapters such as LoRA (the adapter layers are the modules
   harts calls, so they take part as in stock peft);
+- data-parallel models are run by :func:`harts.rollout_step` and :func:`harts.forest_step`, which
+  synchronise the gradients themselves (:mod:`harts.runtime.distributed`); elsewhere (a bare
+  forward or ``forest_backward``) a DDP wrapper or a sharded FSDP2 model is refused, since its
+  synchronisation lives in the forward harts does not call;
 - setups that would be silently skipped are refused with one line naming what and where:
-  DDP/FSDP wrappers (their gradient synchronisation lives in the forward harts does not call),
   peft prompt learning (virtual tokens added in the forward), hooks on modules whose forward
   harts does not call, a short convolution that is not a plain ``nn.Conv1d`` (its weight is read
   directly), active dropout in train mode (attention dropout over a forest is not implemented),
@@ -28,9 +31,14 @@ _DDP_NAMES = ("DistributedDataParallel", "FullyShardedDataParallel")
 
 
 def _distributed_wrapper(module: nn.Module) -> str | None:
+    """The data-parallel wrapper harts cannot run here; an FSDP2 model whose parameters a
+    data-parallel step has unsharded is a plain model for the step's duration."""
     for cls in type(module).__mro__:
-        if cls.__name__ in _DDP_NAMES or cls.__name__ == "FSDPModule":
+        if cls.__name__ in _DDP_NAMES:
             return cls.__name__
+        if cls.__name__ == "FSDPModule":
+            sharded = any(type(p).__name__ == "DTensor" for p in module.parameters())
+            return "FSDPModule (sharded by fully_shard)" if sharded else None
     return None
 
 
@@ -46,9 +54,9 @@ def resolve_model(model: nn.Module) -> nn.Module:
         if wrapper is not None:
             raise ValueError(
                 f"the model is wrapped in {wrapper}: harts runs the model's parts over a forest, not the "
-                f"wrapper's forward, so its gradient synchronisation would not run. harts' distributed entry "
-                f"point is not available yet; run harts on the unwrapped model on each rank and all-reduce "
-                f"the gradients (torch.distributed.all_reduce)"
+                f"wrapper's forward, so the wrapper's gradient synchronisation or parameter gathering would "
+                f"not run here; harts.rollout_step and harts.forest_step take data-parallel models (DDP, "
+                f"FSDP2) and synchronise the gradients themselves"
             )
         if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
             model = model._orig_mod  # torch.compile: the same parameters, run eagerly part by part
@@ -70,7 +78,13 @@ def resolve_model(model: nn.Module) -> nn.Module:
 # Hooks that do nothing outside the stock forward that installed them: transformers' output
 # capturing (``output_router_logits``, ``output_hidden_states``) leaves one on every layer it has
 # captured from, inactive unless a stock forward is collecting.
-_INERT_HOOK_MODULES = ("transformers.utils.output_capturing",)
+# FSDP2's own hooks gather parameters and reduce gradients around a module's forward: a
+# data-parallel step does that work itself (harts.runtime.distributed), and a sharded model is
+# refused outside one (resolve_model).
+_INERT_HOOK_MODULES = (
+    "transformers.utils.output_capturing",
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+)
 
 
 def hooked(module: nn.Module) -> bool:

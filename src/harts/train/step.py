@@ -42,6 +42,7 @@ from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
 from harts.runtime.config import RunConfig
+from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.step import StepResult, forest_backward
@@ -119,11 +120,27 @@ def forest_step(
     """
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
+    with data_parallel_step(model) as (module, dp):
+        result = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
+    if dp is not None:
+        _sum_results(result, dp)
+    return result
+
+
+def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizers, run, moe, old_logprob):
+    """This rank's share of the step (the whole step on one process)."""
     model = resolve_model(model)
     if normalizers is None and isinstance(rows, LossRows):
-        normalizers = normalizers_for(rows)
+        # the whole step's counts: every rank's rows
+        normalizers = normalizers_for(rows, all_reduce=dp.all_reduce_sum if dp is not None else None)
     _check_inputs(forest, rows, config, normalizers, old_logprob)  # the model's own: forest_backward's
     aux_coef = resolve_aux_coef(moe, model) if moe is not None else 0.0
+    if dp is not None and aux_coef > 0:
+        raise ValueError(
+            f"the MoE load-balancing loss (aux_loss_coef={aux_coef}) over data-parallel ranks is not "
+            f"supported: its routing fractions would need every rank's counts mid-step; set "
+            f"MoEConfig(aux_loss_coef=0) (expert counts and the bias update are summed over the ranks)"
+        )
     device = model_device(model)
     if rows.device != device:
         rows = rows.to(device)
@@ -150,13 +167,31 @@ def forest_step(
     return result
 
 
+def _sum_results(result: StepResult, dp: DataParallel) -> None:
+    """Loss, metrics and expert counts of the whole step on every rank: each rank's are its share
+    of sums over the step's normalisers, so they add up."""
+    names = sorted(result.metrics)
+    values = torch.stack([result.loss.detach().float().reshape(())]
+                         + [result.metrics[n].float().reshape(()) for n in names])  # fmt: skip
+    dp.all_reduce_sum(values)
+    result.loss = values[0].to(result.loss.dtype)
+    for n, v in zip(names, values[1:], strict=True):
+        result.metrics[n] = v
+    if "loss" in result.metrics:
+        result.metrics["loss"] = result.loss
+    if result.moe is not None:
+        dp.all_reduce_sum(result.moe.expert_counts)
+        dp.all_reduce_sum(result.moe.tokens)
+
+
 def step_inputs(
     model: nn.Module, rollouts: Sequence[Rollout], share_prefixes: bool = True
 ) -> tuple[Forest, LossRows]:
     """The forest and loss rows of a batch of rollouts, checked (against the model's vocabulary
     too) before anything is built: what :func:`rollout_step` runs :func:`forest_step` on, for a
     caller that changes the rows in between (advantages estimated on the step, say)."""
-    checked = validate_rollouts(rollouts, vocab_size=model.config.vocab_size)
+    base = resolve_model(model) if data_parallel(model) is None else unwrap_data_parallel(model)
+    checked = validate_rollouts(rollouts, vocab_size=base.config.vocab_size)
     forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
     return forest, build_loss_rows(forest, rollouts)
 
@@ -187,7 +222,6 @@ def rollout_step(
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"expected a PolicyLossConfig, got {type(config).__name__}")
-    model = resolve_model(model)
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
     forest, rows = step_inputs(model, rollouts, share_prefixes)

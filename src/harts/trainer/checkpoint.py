@@ -91,14 +91,36 @@ def remove_scratch(root: Path) -> list[str]:
     return sorted(removed)
 
 
-def write_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Call ``write(directory)`` to fill a fresh directory, then publish it atomically as step ``step``."""
-    root.mkdir(parents=True, exist_ok=True)
-    remove_scratch(root)
+def write_checkpoint(
+    root: Path,
+    step: int,
+    write: Callable[[Path], None],
+    main: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Call ``write(directory)`` to fill a fresh directory, then publish it atomically as step ``step``.
+
+    Several ranks: every rank calls this with its own ``write`` (each writes its files into the
+    same directory); ``main`` (one rank) prepares, hashes and publishes, and ``barrier`` waits for
+    every rank between the phases.
+    """
+    barrier = barrier or (lambda: None)
     final = root / step_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
+    tmp = root / f".tmp-{final.name}"  # one name for every rank; the run lock keeps runs apart
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_scratch(root)
+        tmp.mkdir()
+    barrier()
     write(tmp)
+    barrier()
+    if main:
+        _publish(root, step, tmp, final)
+    barrier()
+    return final
+
+
+def _publish(root: Path, step: int, tmp: Path, final: Path) -> None:
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync(path)
@@ -114,7 +136,6 @@ def write_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Pa
         _remove(final, root)
     os.replace(tmp, final)
     _fsync(root)
-    return final
 
 
 def verify(checkpoint: Checkpoint) -> dict:

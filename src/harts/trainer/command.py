@@ -2,8 +2,9 @@
 
 Exit status: 0 when the run is done; 2 for bad input (config, data, a refused checkpoint: one
 line on stderr, the traceback under ``harts --debug``); 1 when a step's loss or gradient is not
-finite; 130 after Ctrl-C and 143 after SIGTERM, with the last complete checkpoint left as it
-is, for ``--resume`` to continue from.
+finite; 3 when another rank of a multi-process run failed (died, stopped, or timed out); 130
+after Ctrl-C and 143 after SIGTERM, with the last complete checkpoint left as it is, for
+``--resume`` to continue from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ files written under OUT:
   checkpoints/step-NNNNNN/            the model (save_pretrained: AutoModelForCausalLM.from_pretrained
                                       loads it), optimizer, scheduler and RNG states, data position,
                                       the config; manifest.json (sizes, sha256) is written last
-exit status: 0 done, 1 a non-finite step, 2 bad input, 130 interrupted (143 on SIGTERM)
+several processes: torchrun --nproc_per_node=N -m harts train CONFIG.toml (section [distributed])
+exit status: 0 done, 1 a non-finite step, 2 bad input, 3 another rank failed, 130 interrupted (143 on SIGTERM)
 config reference: docs/training.md"""
 
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parser.parse_args(argv)
 
     from harts.trainer.config import load_config
+    from harts.trainer.distributed import RankFailure
     from harts.trainer.loop import TrainingDiverged, train
 
     config = load_config(args.config)
@@ -65,6 +68,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     except TrainingDiverged as exc:
         print(f"harts train: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except RankFailure as exc:
+        print(f"harts train: error: {exc}; resume from the last checkpoint with --resume", file=sys.stderr)
+        raise SystemExit(3) from None
     finally:
         if handle:
             signal.signal(signal.SIGTERM, previous)

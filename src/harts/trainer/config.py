@@ -278,6 +278,21 @@ class MoESection:
 
 
 @dataclass(frozen=True)
+class DistributedSection:
+    """Used when torchrun starts several processes (``WORLD_SIZE`` > 1); ignored on one."""
+
+    strategy: str = "ddp"  # ddp: every rank holds the model; fsdp: FSDP2 shards it (fully_shard)
+    balance: str = "cost"  # trees to ranks by a FLOP model ("cost") or by unique tokens ("tokens")
+    timeout_s: float = 600.0  # a collective that waits longer (a dead or hung rank) fails
+
+    def __post_init__(self):
+        _one_of("distributed.strategy", self.strategy, ["ddp", "fsdp"])
+        _one_of("distributed.balance", self.balance, ["cost", "tokens"])
+        if not self.timeout_s > 0:
+            raise ValueError(f"distributed.timeout_s: expected > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """A whole run. ``steps`` or ``epochs`` (default: one epoch) sets its length."""
 
@@ -290,6 +305,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoESection = field(default_factory=MoESection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     seed: int = 0
     steps: int | None = None
     epochs: int | None = None
@@ -315,7 +331,7 @@ class TrainConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "objective": ObjectiveConfig, "run": RunSection,
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig, "moe": MoESection,
+    "logging": LoggingConfig, "moe": MoESection, "distributed": DistributedSection,
 }  # fmt: skip
 _NOT_KEYS = {"source", "text", "table"}
 _PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out")}

@@ -41,6 +41,19 @@ from harts.train.moe import resolve_aux_coef
 from harts.train.step import forest_step, step_inputs
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, write_checkpoint
 from harts.trainer.config import ObjectiveConfig, TrainConfig
+from harts.trainer.distributed import (
+    STATE_DIR,
+    RankFailure,
+    Ranks,
+    full_model_state,
+    load_state,
+    local_rollouts,
+    plain_class,
+    rank_cost,
+    save_state,
+    start_ranks,
+    wrap_model,
+)
 from harts.trainer.inputs import (
     Position,
     count_steps,
@@ -73,10 +86,61 @@ def train_step(
     loss: PolicyLossConfig,
     run: RunConfig,
     moe: MoEConfig | None,
+    ranks: Ranks | None = None,
 ) -> tuple[StepResult, Forest]:
     """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
     path (:func:`~harts.train.step.step_inputs`, then :func:`harts.forest_step`) with the advantages
-    estimated on the step's rows in between when ``objective.advantage`` names an estimator."""
+    estimated on the step's rows in between when ``objective.advantage`` names an estimator.
+
+    With ``ranks``, ``model`` is the wrapped model: every rank checks the whole step and
+    estimates its advantages (an error on any rank stops every rank with the same message), then
+    trains on its own trees, normalisers and gradients summed over the ranks. The forest returned
+    is the whole step's."""
+    error, prepared = None, None
+    try:
+        prepared = _prepare(model, rollouts, objective, loss, ranks)
+    except ValueError as exc:
+        error = str(exc)
+    if ranks is not None:
+        error = _collective(ranks.agree, error)
+    if error is not None:
+        raise ValueError(error)
+    forest, rows, local_forest, local_rows = prepared
+    reduce = None if ranks is None else (lambda t: (torch.distributed.all_reduce(t), t)[1])
+    normalizers = _collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
+    result = _collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
+                         moe=moe)  # fmt: skip
+    return result, forest
+
+
+def _collective(fn, *args, **kwargs):
+    """``fn`` whose collectives a failed rank breaks: a RankFailure saying so, not a backend trace."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (or DistError, a subclass)
+        if not _collective_failure(exc):
+            raise
+        raise RankFailure(
+            f"rank {torch.distributed.get_rank()}: a collective with the other ranks failed (a rank died, "
+            f"stopped on an error, or did not answer within distributed.timeout_s): "
+            f"{str(exc).splitlines()[0]}"
+        ) from None
+
+
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "socket", "peer")
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _COLLECTIVE_WORDS)
+
+
+def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig, ranks: Ranks | None):
+    """The step's forest and rows (advantages estimated), and this rank's forest and rows."""
     forest, rows = step_inputs(model, rollouts)
     if objective.advantage is not None:
         if rows.has_advantage:
@@ -87,9 +151,45 @@ def train_step(
         raise ValueError(f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
                          f"none: set objective.advantage (grpo, dr_grpo, rloo, tree, pitfall) to estimate "
                          f"them from rewards")  # fmt: skip
-    normalizers = normalizers_for(rows, max_length=objective.max_length)
-    result = forest_step(model, forest, rows, loss, normalizers=normalizers, run=run, moe=moe)
-    return result, forest
+    if ranks is None:
+        return forest, rows, forest, rows
+    local, _ = local_rollouts(rollouts, rows, forest, ranks, ranks_cost(model))
+    return (forest, rows, *step_inputs(model, local))
+
+
+_COSTS: dict[int, object] = {}
+
+
+def ranks_cost(model: torch.nn.Module):
+    """The FLOP weights of ``model`` (computed once per model)."""
+    from harts.runtime.distributed import unwrap_data_parallel
+
+    if id(model) not in _COSTS:
+        _COSTS[id(model)] = rank_cost(unwrap_data_parallel(model))
+    return _COSTS[id(model)]
+
+
+def _check_param_names(saved: dict, now: dict) -> None:
+    """Refuse a checkpoint whose optimizers trained other parameters than this run's would."""
+    if set(saved) != set(now):
+        raise ValueError(f"the checkpoint's optimizers are {sorted(saved)}, the config's {sorted(now)}: "
+                         f"resume with the optimizer.kind the run started with")  # fmt: skip
+    for name, names in now.items():
+        if list(saved[name]) != names:
+            differ = sorted(set(saved[name]) ^ set(names))[:3]
+            raise ValueError(
+                f"the checkpoint's {name} state does not fit this run's parameters (they differ in "
+                f"{', '.join(differ) or 'order'}); resume with the model, optimizer.kind and "
+                f"optimizer.freeze_router the run started with"
+            )
+
+
+def _clip(params, clip: float) -> float:
+    """Clip to ``clip``; the total norm (over every rank's shard under FSDP2)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    if type(norm).__name__ == "DTensor":
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
@@ -156,9 +256,17 @@ class _Run:
     def __init__(self, config: TrainConfig, out: Path, log: TextIO):
         self.config, self.out, self.log = config, out, log
         self.root = out / "checkpoints"
+        d = config.distributed
+        self.ranks = start_ranks(d.strategy, d.balance, d.timeout_s, config.model.device)
 
     def say(self, line: str) -> None:
-        print(f"harts train: {line}", file=self.log, flush=True)
+        if self.main:
+            print(f"harts train: {line}", file=self.log, flush=True)
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the logs and publishes checkpoints (rank 0, or the only one)."""
+        return self.ranks is None or self.ranks.main
 
     def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
@@ -180,7 +288,13 @@ class _Run:
         seed_everything(config.seed)
         self.model = load_model(config.model, config.seed, start.path if start else None)
         frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
+        self.wrapped = self.model
+        if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
+            self.wrapped = wrap_model(self.model, self.ranks, config.optimizer.kind)
         self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, self.total)
+        # which parameter each optimizer trains, by name: a resume must find the same
+        names = {"adamw": [n for n, _ in split.decay + split.no_decay], "muon": [n for n, _ in split.muon]}
+        self.param_names = {k: v for k, v in names.items() if v}
         self.loss_config = config.objective.loss_config()
         self.run_config = config.run.run_config()
         self.moe, self.routers = None, []
@@ -198,12 +312,21 @@ class _Run:
         self.position = Position()
         if start is not None:
             trainer = torch.load(start.path / TRAINER_STATE, weights_only=True)
-            self.optim.load_state_dict(trainer["optimizers"])
+            if (start.path / STATE_DIR).is_dir():  # any world size: resharded to this run's ranks
+                _check_param_names(trainer.get("params", {}), self.param_names)
+                load_state(start.path, self.wrapped, self.optim)
+                self.optim.own_memory()
+                self.optim.load_scheduler_state(trainer["schedulers"])
+            else:
+                self.optim.load_state_dict(trainer["optimizers"])
             set_rng_state(trainer["rng"])
             self.position = Position(**state["position"])
         params = sum(p.numel() for p in self.model.parameters())
         name = f"tiny {config.model.tiny}" if config.model.tiny else str(config.model.path)
         threads = torch.get_num_threads()
+        if self.ranks is not None:
+            self.say(f"{self.ranks.world_size} ranks ({self.ranks.strategy}, trees balanced by "
+                     f"{self.ranks.balance}, {torch.distributed.get_backend()})")  # fmt: skip
         self.say(f"model {name} ({params / 1e6:.2f}M parameters, {config.model.dtype}, "
                  f"{config.model.device}, {threads} thread{'s' if threads > 1 else ''}); {split.describe()}"
                  f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
@@ -217,6 +340,11 @@ class _Run:
                              f"sha256 differs): an exact resume needs the same data")  # fmt: skip
         if state["position"]["step"] > self.total:
             raise ValueError(f"{start.path.name} is past the run's {self.total} steps: raise steps or epochs")
+        world = self.ranks.world_size if self.ranks is not None else 1
+        if state.get("world_size", 1) != world:
+            self.say(f"{start.path.name} was written by {state.get('world_size', 1)} rank(s), this run has "
+                     f"{world}: the state is resharded; the result matches an uninterrupted run to "
+                     f"floating-point rounding, not bit for bit")  # fmt: skip
         threads = self.config.threads or torch.get_num_threads()
         if state.get("threads") != threads:
             self.say(f"warning: {start.path.name} ran with {state.get('threads')} threads, this run with "
@@ -247,26 +375,37 @@ class _Run:
             "versions": _versions(),
         }
 
+        if self.ranks is not None:
+            state["world_size"] = self.ranks.world_size
+
         def write(directory: Path) -> None:
-            with quiet_transformers():
-                self.model.save_pretrained(directory, safe_serialization=True)
-            torch.save({"optimizers": self.optim.state_dict(), "rng": rng_state()}, directory / TRAINER_STATE)
+            save_state(directory, self.wrapped, self.optim)  # every rank: its shard of the state
+            whole = full_model_state(self.wrapped, self.ranks)
+            if not self.main:
+                return
+            with quiet_transformers(), plain_class(self.model):
+                self.model.save_pretrained(directory, safe_serialization=True, state_dict=whole)
+            trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(),
+                       "params": self.param_names}  # fmt: skip
+            torch.save(trainer, directory / TRAINER_STATE)
             (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
             (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
 
-        path = write_checkpoint(self.root, position.step, write)
-        prune(self.root, self.config.checkpoint.keep_last)
+        barrier = self.ranks.barrier if self.ranks is not None else None
+        path = _collective(write_checkpoint, self.root, position.step, write, main=self.main, barrier=barrier)
+        if self.main:
+            prune(self.root, self.config.checkpoint.keep_last)
         return path
 
     def step(self, rollouts: list[Rollout]) -> tuple[StepResult, Forest, float, dict]:
         config, optim = self.config, self.optim
         try:
-            result, forest = train_step(self.model, rollouts, config.objective, self.loss_config,
-                                        self.run_config, self.moe)  # fmt: skip
+            result, forest = train_step(self.wrapped, rollouts, config.objective, self.loss_config,
+                                        self.run_config, self.moe, self.ranks)  # fmt: skip
         except ValueError as exc:
             raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
         clip = config.max_grad_norm if config.max_grad_norm else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(optim.parameters(), clip))
+        grad_norm = _collective(_clip, optim.parameters(), clip)
         if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
             raise TrainingDiverged(
                 f"step {self.position.step + 1}: loss {float(result.loss)}, gradient norm {grad_norm}: not "
@@ -299,10 +438,12 @@ def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextI
         torch.set_num_threads(config.threads)
     run = _Run(config, out, sys.stderr if log is None else log)
     try:
-        with _run_lock(out):
+        with _run_lock(out) if run.main else contextlib.nullcontext():
             return _loop(run, resume)
     finally:
         torch.set_num_threads(threads)
+        if run.ranks is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _loop(run: _Run, resume: bool) -> dict:
@@ -313,8 +454,8 @@ def _loop(run: _Run, resume: bool) -> dict:
         run.say(f"nothing to do: {start.path} is the final step")
         return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
     resumed_from = position.step
-    metrics = MetricsLog(run.out / "metrics.jsonl", position.step)
-    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard else None
+    metrics = MetricsLog(run.out / "metrics.jsonl", position.step) if run.main else None
+    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard and run.main else None
     last = start.path if start else None
     session = 0.0
     stream = data_stream(config.data, position.epoch, position.index)
@@ -328,12 +469,13 @@ def _loop(run: _Run, resume: bool) -> dict:
             position.advance(len(rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
                              run.steps_per_epoch)  # fmt: skip
             record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds, len(rollouts))
-            metrics.write(record)
+            if metrics is not None:
+                metrics.write(record)
             if board is not None:
                 board.write(record)
             every = config.checkpoint.every
             done = position.step == run.total
-            if config.logging.every and (position.step % config.logging.every == 0 or done):
+            if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
                 eta = session / (position.step - resumed_from) * (run.total - position.step)
                 print(progress_line(record, run.total, eta), file=run.log, flush=True)
             if done or (every and position.step % every == 0):
@@ -345,10 +487,11 @@ def _loop(run: _Run, resume: bool) -> dict:
         run.say(f"interrupted at step {position.step}; {where} (continue with --resume)")
         raise
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         if board is not None:
             board.close()
-    if config.logging.plot:
+    if config.logging.plot and run.main:
         run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
     redundancy = position.flat_tokens / max(position.unique_tokens, 1)
     run.say(f"done: {position.step} steps, {session:.1f} s; {position.unique_tokens:,} unique tokens "

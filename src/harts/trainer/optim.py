@@ -150,11 +150,27 @@ class Optimizers:
                     f"the checkpoint's {name} state does not fit this run's parameters ({exc}); resume with "
                     f"the model, optimizer.kind and optimizer.freeze_router the run started with"
                 ) from None
-            for slot in opt.state.values():  # fresh, aligned memory (see harts.trainer.inputs.own_memory)
+            self.schedulers[name].load_state_dict(state["schedulers"][name])
+        self.own_memory()
+
+    def scheduler_state(self) -> dict:
+        return {name: s.state_dict() for name, s in self.schedulers.items()}
+
+    def load_scheduler_state(self, state: dict) -> None:
+        if set(state) != set(self.schedulers):
+            raise ValueError(f"the checkpoint's optimizers are {sorted(state)}, the config's "
+                             f"{sorted(self.schedulers)}: resume with the optimizer.kind the run "
+                             f"started with")  # fmt: skip
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state[name])
+
+    def own_memory(self) -> None:
+        """Optimizer state in fresh, aligned memory (see :func:`harts.trainer.inputs.own_memory`)."""
+        for opt in self.optimizers.values():
+            for slot in opt.state.values():
                 for key, value in slot.items():
                     if torch.is_tensor(value):
                         slot[key] = value.clone()
-            self.schedulers[name].load_state_dict(state["schedulers"][name])
 
 
 def build_optimizers(

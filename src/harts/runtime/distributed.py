@@ -1,0 +1,273 @@
+"""Data-parallel models (DDP and FSDP2) run exactly: harts synchronises the gradients itself.
+
+harts runs a model's parts over a forest, never the wrapper's forward, so the machinery a
+wrapper keeps in its forward does not run: DDP's reducer is only armed by ``DDP.forward``, and
+FSDP2's ``fully_shard`` gathers parameters and reduce-scatters gradients from hooks on the
+forward of each sharded module. :func:`data_parallel_step` does that work around one whole step
+(every micro-batch), so gradients cross the network once per step, not once per micro-batch:
+
+- **DDP** (``torch.nn.parallel.DistributedDataParallel``): the step runs on ``ddp.module``; at
+  the end each gradient is summed over the ranks (one flat all-reduce per dtype).
+- **FSDP2** (``torch.distributed.fsdp.fully_shard``): every sharded module is unsharded (one
+  all-gather each) for the step, which runs on the full parameters; at the end each full gradient
+  is summed over the ranks and this rank's shard is added to the sharded parameter's ``.grad``
+  (a DTensor, as FSDP2 leaves it); then the modules are resharded. Parameters are whole for the
+  duration of a step (sharding saves optimizer and parameter memory between steps, not during).
+  With a ``MixedPrecisionPolicy``, the step computes in its ``param_dtype`` (the unsharded
+  parameters') and gradients are summed in the sharded parameters' dtype.
+
+The sum, not the mean: harts' losses divide by normalisers of the whole step over all ranks
+(``normalizers_for(..., all_reduce=...)``), so each rank's gradient is its share of one global
+loss and the shares add up. A parameter no rank used keeps ``.grad`` None, as on one process.
+Gradients a step finds already in ``.grad`` (accumulated by an earlier call) are kept aside
+and added back after the sum, so each call synchronises its own contribution once.
+
+What this leaves out: FSDP1 (``FullyShardedDataParallel``: flat parameters) and tensor,
+pipeline or context parallelism are refused; within a step, no overlap of communication with
+compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DataParallel", "data_parallel", "data_parallel_step", "unwrap_data_parallel", "warn_unwrapped"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """A data-parallel model: ``kind`` "ddp" or "fsdp", the ``wrapper`` the user holds, the
+    process ``group`` its gradients are summed over (None: the default group)."""
+
+    kind: str
+    wrapper: nn.Module
+    group: object | None = None
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over the ranks (in place, returned)."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def data_parallel(model: nn.Module) -> DataParallel | None:
+    """What kind of data-parallel wrapper ``model`` is (None for a plain model).
+
+    Raises ValueError for wrappers harts cannot run exactly (FSDP1) or a wrapper used without an
+    initialised process group.
+    """
+    if any(c.__name__ == "FullyShardedDataParallel" for c in type(model).__mro__):
+        raise ValueError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1), whose flat parameters harts "
+            "cannot run part by part: shard it with FSDP2 (torch.distributed.fsdp.fully_shard) instead"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return DataParallel("ddp", model, model.process_group)
+    if _fsdp_modules(model):
+        if not dist.is_initialized():
+            raise ValueError("the model is sharded with fully_shard but no process group is initialised")
+        return DataParallel("fsdp", model, None)
+    return None
+
+
+def unwrap_data_parallel(model: nn.Module) -> nn.Module:
+    """The module whose parts harts runs: ``ddp.module`` for DDP; the model itself otherwise."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+_WARNED: set[int] = set()
+
+
+def warn_unwrapped(model: nn.Module) -> None:
+    """Warn once per model when several ranks train a model that is not data-parallel: its
+    gradients would stay this rank's own."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if id(model) in _WARNED:
+        return
+    _WARNED.add(id(model))
+    warnings.warn(
+        f"torch.distributed runs {dist.get_world_size()} ranks but the model is not wrapped in DDP or "
+        f"sharded with fully_shard: harts computes this rank's gradients only (and the loss over this "
+        f"rank's normalisers). Pass the wrapped model to synchronise them, as on one process",
+        stacklevel=3,
+    )
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _take_grads(params: list[nn.Parameter]) -> list[Tensor | None]:
+    """The gradients ``params`` hold now, set aside (``.grad`` None), to be added back later."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return held
+
+
+def _sum_over_ranks(dp: DataParallel, grads: list[Tensor | None], like: list[Tensor]) -> list[Tensor | None]:
+    """Each gradient summed over the ranks; None where no rank has one (zeros stand in for a
+    rank without one). One flag all-reduce, then one flat all-reduce per dtype."""
+    present = torch.tensor([g is not None for g in grads], dtype=torch.float32)
+    dp.all_reduce_sum(present)
+    out: list[Tensor | None] = [None] * len(grads)
+    by_dtype: dict[tuple, list[int]] = {}
+    for i, ref in enumerate(like):
+        if present[i] > 0:
+            by_dtype.setdefault((ref.dtype, ref.device), []).append(i)
+    for (dtype, device), index in by_dtype.items():
+        flat = torch.cat([
+            (grads[i] if grads[i] is not None else torch.zeros_like(like[i])).reshape(-1).to(dtype)
+            for i in index
+        ]).to(device)  # fmt: skip
+        dp.all_reduce_sum(flat)
+        for i, piece in zip(index, flat.split([like[i].numel() for i in index]), strict=True):
+            out[i] = piece.view(like[i].shape)
+    return out
+
+
+def _add_back(params: list[nn.Parameter], held: list[Tensor | None], summed: list[Tensor | None]) -> None:
+    for p, before, new in zip(params, held, summed, strict=True):
+        if new is None:
+            p.grad = before
+        else:
+            new = new.to(p.dtype)
+            p.grad = new if before is None else before + new
+
+
+@contextlib.contextmanager
+def _ddp_step(dp: DataParallel) -> Iterator[nn.Module]:
+    module = dp.wrapper.module
+    named = _trainable(module)
+    params = [p for _, p in named]
+    held = _take_grads(params)
+    try:
+        yield module
+    except BaseException:
+        _restore(params, held)  # this call's partial gradients are dropped, earlier ones kept
+        raise
+    summed = _sum_over_ranks(dp, [p.grad for p in params], params)
+    _add_back(params, held, summed)
+
+
+def _restore(params: list[nn.Parameter], held: list[Tensor | None]) -> None:
+    for p, before in zip(params, held, strict=True):
+        p.grad = before
+
+
+def _local_shard(full: Tensor, sharded) -> Tensor:
+    """This rank's piece of ``full`` as FSDP2 shards it (dim-0 chunks of ``torch.chunk``)."""
+    from torch.distributed.tensor import Shard
+
+    placement = sharded.placements[0]
+    if len(sharded.placements) != 1 or not isinstance(placement, Shard):
+        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
+                         f"{sharded.placements}")  # fmt: skip
+    mesh = sharded.device_mesh
+    rank, world = mesh.get_local_rank(), mesh.size()
+    chunks = torch.chunk(full, world, dim=placement.dim)
+    local = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
+    expected = tuple(sharded.to_local().shape)
+    if tuple(local.shape) != expected:
+        raise ValueError(f"unexpected FSDP2 shard shape {expected} for a parameter of shape "
+                         f"{tuple(full.shape)} (expected {tuple(local.shape)})")  # fmt: skip
+    return local
+
+
+def _check_fsdp_units(model: nn.Module, modules: list[nn.Module]) -> None:
+    """FSDP2 units only where harts never calls the module's forward (the model, its backbone, its
+    decoder layers): on a module harts calls (embedding, MLP, head) FSDP2's hooks would reshard
+    the parameters in the middle of the step."""
+    from harts.adapters import adapter_for
+
+    backbone = adapter_for(model).backbone(model)
+    allowed = {id(model), id(backbone), *(id(layer) for layer in backbone.layers)}
+    names = {id(m): n for n, m in model.named_modules()}
+    other = [names[id(m)] for m in modules if id(m) not in allowed]
+    if other:
+        raise ValueError(
+            f"fully_shard was applied to {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}: harts "
+            f"runs that module's forward itself, where FSDP2's hooks would reshard its parameters "
+            f"mid-step; shard the decoder layers and the model (fully_shard(layer) for each layer, "
+            f"then fully_shard(model))"
+        )
+
+
+@contextlib.contextmanager
+def _fsdp_step(dp: DataParallel) -> Iterator[nn.Module]:
+    from torch.distributed.tensor import DTensor
+
+    model = dp.wrapper
+    modules = _fsdp_modules(model)
+    _check_fsdp_units(model, modules)
+    sharded = _trainable(model)
+    held = _take_grads([p for _, p in sharded])
+    for m in modules:
+        m.unshard()
+    try:
+        full = dict(_trainable(model))
+        if full.keys() != dict(sharded).keys():
+            raise ValueError("FSDP2 unshard changed the model's parameter names; harts cannot match them")
+        unsharded = [full[n] for n, _ in sharded]
+        for p in unsharded:
+            p.grad = None
+        try:
+            yield model
+        except BaseException:
+            for p in unsharded:
+                p.grad = None
+            _restore([s for _, s in sharded], held)
+            raise
+        grads = [p.grad for p in unsharded]
+        for p in unsharded:
+            p.grad = None
+        like = [torch.empty(p.shape, dtype=s.dtype, device=p.device)
+                for p, (_, s) in zip(unsharded, sharded, strict=True)]  # fmt: skip
+        summed = _sum_over_ranks(dp, grads, like)
+        local = []
+        for (_, s), g in zip(sharded, summed, strict=True):
+            if g is None or not isinstance(s, DTensor):
+                local.append(g)  # a parameter fully_shard left replicated keeps the full sum
+                continue
+            piece = _local_shard(g, s)
+            local.append(DTensor.from_local(piece.contiguous(), s.device_mesh, s.placements,
+                                            shape=s.shape, stride=s.stride()))  # fmt: skip
+    finally:
+        for m in modules:
+            m.reshard()
+    _add_back([s for _, s in sharded], held, local)
+
+
+@contextlib.contextmanager
+def data_parallel_step(model: nn.Module) -> Iterator[tuple[nn.Module, DataParallel | None]]:
+    """Run one step's work on ``(module, dp)``: the plain module to run harts on and the
+    data-parallel description (None, and ``model`` itself, for a plain model). On leaving, the
+    gradients of the work done inside are summed over the ranks (see the module docstring)."""
+    dp = data_parallel(model)
+    if dp is None:
+        warn_unwrapped(model)
+        yield model, None
+        return
+    with (_ddp_step(dp) if dp.kind == "ddp" else _fsdp_step(dp)) as module:
+        yield module, dp

@@ -1,0 +1,197 @@
+"""``harts train`` on several processes: ranks from ``torchrun``, DDP or FSDP2, trees to ranks,
+checkpoints any world size resumes from.
+
+Started by ``torchrun --nproc_per_node=N -m harts train CONFIG`` (or ``torch.distributed.run``
+on several machines), each process reads the environment torchrun sets (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) and joins the default process group
+(gloo on CPU, NCCL on CUDA) with the config's ``distributed.timeout_s``: a rank that dies or
+hangs makes the others' next collective fail within that time instead of waiting forever.
+
+Each step every rank reads the same rollouts, builds the same forest and estimates the same
+advantages; :func:`~harts.plan.ranks.assign_trees` then gives each rank whole trees, balanced by
+a FLOP model of the model (:func:`rank_cost`), and each rank trains on its own trees through
+:func:`harts.forest_step` on the wrapped model, which sums the normalisers and the gradients over
+the ranks once per step (:mod:`harts.runtime.distributed`).
+
+Checkpoints keep the model and optimizer state in ``state/``, written with
+``torch.distributed.checkpoint`` (each rank its shard under FSDP2; replicated state once under
+DDP): a run on any number of ranks resumes from it, one process included. ``model.safetensors``
+(the whole model, written by rank 0) stays loadable by ``from_pretrained``.
+
+What this leaves out: tensor, pipeline and context parallelism; Muon under FSDP2 (its update
+needs whole matrices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harts.objectives.rollout import Rollout
+from harts.objectives.rows import LossRows
+from harts.plan.ranks import RankCost, TreeAssignment, assign_trees
+
+__all__ = ["Ranks", "start_ranks", "wrap_model", "rank_cost", "local_rollouts", "save_state", "load_state",
+           "RankFailure"]  # fmt: skip
+
+STATE_DIR = "state"
+
+
+class RankFailure(RuntimeError):
+    """A collective with the other ranks failed: a rank died, hung past the timeout, or stopped
+    on an error of its own."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+    strategy: str  # "ddp" or "fsdp"
+    balance: str  # "cost" or "tokens"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def agree(self, error: str | None) -> str | None:
+        """The first error any rank reports (None when none does): every rank stops together, with
+        the same message, when one rank's data is bad."""
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, error)
+        return next((e for e in found if e is not None), None)
+
+
+def start_ranks(strategy: str, balance: str, timeout_s: float, device: str) -> Ranks | None:
+    """Join the process group torchrun describes; None when this is a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    if not dist.is_available():
+        raise ValueError("WORLD_SIZE > 1 but this torch has no torch.distributed")
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Ranks(dist.get_rank(), dist.get_world_size(), strategy, balance)
+
+
+def wrap_model(model: nn.Module, ranks: Ranks, optimizer_kind: str) -> nn.Module:
+    """``model`` in DDP, or sharded with FSDP2 (each decoder layer, then the model)."""
+    if ranks.strategy == "ddp":
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if optimizer_kind == "muon":
+        raise ValueError("optimizer.kind = 'muon' with distributed.strategy = 'fsdp': Muon orthogonalises "
+                         "whole matrices and FSDP2 shards them; use ddp, or adamw")  # fmt: skip
+    from torch.distributed.fsdp import fully_shard
+
+    from harts.adapters import adapter_for
+
+    for layer in adapter_for(model).backbone(model).layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def rank_cost(model: nn.Module) -> RankCost:
+    """The FLOP weights of :mod:`harts.plan.ranks` for ``model``: 6 x non-embedding parameters per
+    token (forward and backward of the dense work), 12 x heads x head size x full-attention layers
+    per attended key (QK^T and AV, forward and backward)."""
+    config = model.config
+    embed = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+             for p in m.parameters()}  # fmt: skip
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in embed)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    full = sum(t in ("full_attention", "attention") for t in types[: config.num_hidden_layers])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return RankCost(per_token=6.0 * dense, per_key=12.0 * config.num_attention_heads * head_dim * full)
+
+
+def local_rollouts(
+    rollouts: list[Rollout], rows: LossRows, forest, ranks: Ranks, cost: RankCost
+) -> tuple[list[Rollout], TreeAssignment]:
+    """This rank's trees' rollouts, with the advantages of ``rows`` (estimated on the whole step)
+    written into each rollout, so the rank's own rows carry the step's values."""
+    assignment = assign_trees(forest, ranks.world_size, cost if ranks.balance == "cost" else None)
+    mine = assignment.trajectories[ranks.rank]
+    local = []
+    trajectory = rows.trajectory.cpu().numpy()
+    position = rows.position.cpu().numpy()
+    advantage = rows.advantage.detach().cpu().double().numpy()
+    for i in mine:
+        r = rollouts[i]
+        if rows.has_advantage:
+            values = np.zeros(len(r.tokens))
+            at = trajectory == i
+            values[position[at]] = advantage[at]
+            r = dataclasses.replace(r, advantages=values)
+        local.append(r)
+    return local, assignment
+
+
+def _optimizers(optim) -> list[torch.optim.Optimizer]:
+    return list(optim.optimizers.values())
+
+
+def save_state(directory: Path, model: nn.Module, optim) -> None:
+    """Model and optimizer state into ``directory/state`` (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, _optimizers(optim))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / STATE_DIR)
+
+
+def load_state(directory: Path, model: nn.Module, optim) -> None:
+    """Model and optimizer state from ``directory/state``, resharded to this run's ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, _optimizers(optim))
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory / STATE_DIR)
+    set_state_dict(model, _optimizers(optim), model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+
+
+def full_model_state(model: nn.Module, ranks: Ranks | None) -> dict | None:
+    """The whole model's state on rank 0 (None elsewhere), for ``save_pretrained``."""
+    if ranks is None or ranks.strategy == "ddp":
+        return None  # save_pretrained reads the (whole) module itself
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if ranks.main else None
+
+
+@contextlib.contextmanager
+def plain_class(model: nn.Module):
+    """``model`` seen as its own class while ``save_pretrained`` runs: FSDP2 swaps in a subclass
+    (``FSDP<Name>``), whose name transformers' weight renaming for saving does not know."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        yield model
+        return
+    swapped = type(model)
+    if not isinstance(model, FSDPModule):
+        yield model
+        return
+    model.__class__ = next(c for c in swapped.__mro__[1:] if not issubclass(c, FSDPModule))
+    try:
+        yield model
+    finally:
+        model.__class__ = swapped
