@@ -32,7 +32,11 @@ ALLOWED = {
 }
 # training runs (harts train): every layer above and the tiny models; nothing below imports it
 ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}
-TOOLS = {"bench", "demo", "cli", "analyze", "__init__"}
+# online RL (harts rl): a layer above the training run, whose pieces it reuses; trainer never imports it
+ALLOWED["rl"] = ALLOWED["trainer"] | {"rl"}
+# RL stacks' batches (TRL, verl) through the step: above train, beside the trainer, which never needs it
+ALLOWED["integrations"] = ALLOWED["train"] | {"integrations"}
+TOOLS = {"bench", "demo", "cli", "analyze", "__init__", "__main__"}
 
 
 def layer_of(module: str) -> str:
