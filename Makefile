@@ -11,8 +11,11 @@ OLDEST_TRANSFORMERS := transformers==5.10.4
 # The GPU kernels (the `gpu` extra) checked on the CPU under the triton interpreter, in their own venv:
 # with triton present, transformers picks its kernels at import and `.venv`'s stock forward would fail.
 KERNELS := .venv-kernels
+# verl pins transformers to 5.10.x and pulls its own stack: its integration tests get a venv of their own.
+VERL := .venv-verl
+VERL_PIN := verl==0.9.1
 
-.PHONY: demo test test-newest test-oldest test-kernels lint bench clean
+.PHONY: demo test test-newest test-oldest test-kernels test-verl lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +39,14 @@ $(KERNELS)/.installed: pyproject.toml
 	$(KERNELS)/bin/python -m pip install -q -e ".[dev,gpu]" $(TORCH_PIN)
 	touch $@
 
+$(VERL)/.installed: pyproject.toml
+	test -x $(VERL)/bin/python || $(PYTHON) -m venv $(VERL)
+	echo '*' > $(VERL)/.gitignore
+	$(VERL)/bin/python -m pip install -q --upgrade pip
+	$(VERL)/bin/python -m pip install -q $(TORCH_PIN)
+	$(VERL)/bin/python -m pip install -q -e ".[dev]" $(VERL_PIN) $(TORCH_PIN)
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) -m harts.demo
 
@@ -52,12 +63,17 @@ test-oldest: $(OLDEST)/.installed
 test-kernels: $(KERNELS)/.installed
 	TRITON_INTERPRET=1 $(KERNELS)/bin/python -m pytest -q -p no:cacheprovider tests_kernels
 
+# the integrations against verl's own code (its DataProto layout, its losses, its engine registry)
+test-verl: $(VERL)/.installed
+	$(VERL)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_verl.py \
+		tests/test_integrations_trl.py tests/test_integrations_batch.py
+
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests tests_kernels benchmarks examples
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
 	$(VENV)/bin/harts bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(KERNELS) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST) $(KERNELS) $(VERL) build src/*.egg-info .pytest_cache
