@@ -1,9 +1,9 @@
-"""The ``harts`` command: ``harts train``, ``harts demo``, ``harts analyze`` and ``harts bench``.
+"""The ``harts`` command: ``harts train``, ``harts rl``, ``harts demo``, ``harts analyze``, ``harts bench``.
 
 Each subcommand hands its remaining arguments to the module's own ``main`` (``harts.demo``,
-``harts.trainer.command``, ``harts.bench.run``), so ``harts train --help`` lists the training
-run's options. An error in the input is one line on stderr and exit status 2 (``harts --debug
-...`` shows the traceback).
+``harts.trainer.command``, ``harts.rl.command``, ``harts.bench.run``), so ``harts train --help``
+lists the training run's options. An error in the input is one line on stderr and exit status 2
+(``harts --debug ...`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ __all__ = ["main"]
 
 COMMANDS = {
     "train": "a training run from a TOML config, with checkpoints and resume (harts.trainer.command)",
+    "rl": "online RL with tree rollouts on a built-in multi-turn task, tree or flat (harts.rl.command)",
     "demo": "training steps in tree vs flat layout on a small Ling 3 model (harts.demo)",
     "analyze": "how much a rollout file shares, the ideal speedup, a picture (harts.analyze)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.command == "train":
         from harts.trainer.command import main as run
+    elif args.command == "rl":
+        from harts.rl.command import main as run
     elif args.command == "demo":
         from harts.demo import main as run
     elif args.command == "analyze":
