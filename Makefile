@@ -56,8 +56,9 @@ test: test-newest test-oldest
 test-newest: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# the multi-process tests check harts' own synchronisation, the same code on both ends: run once
 test-oldest: $(OLDEST)/.installed
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -m "not multiprocess"
 
 # tests_kernels/ (never collected by `make test`): fla's triton kernels and FlexAttention on CPU tensors
 test-kernels: $(KERNELS)/.installed
