@@ -27,8 +27,8 @@ import torch
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 from harts.testing import tiny_model
 
-LOGIT_ATOL = 1e-4  # design.md section 4: fp32 max |logit diff|
-GRAD_RTOL = 1e-4  # design.md section 4: fp32 gradient relative error
+LOGIT_ATOL = 1e-4  # fp32 max |logit diff| (docs/architecture.md, "References and tolerances")
+GRAD_RTOL = 1e-4  # fp32 gradient relative error (same section)
 GRAD_FLOOR = 1e-6  # norms below this are compared absolutely (see grad_relative_errors)
 
 

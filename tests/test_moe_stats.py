@@ -1,4 +1,4 @@
-"""MoE statistics of a forest equal those of the flat batch (design.md section 5, "MoE").
+"""MoE statistics of a forest equal those of the flat batch.
 
 The flat batch is every trajectory right-padded into one stock batch with its attention mask.
 The forest runs each unique token once and weights it by its multiplicity; the flat side runs

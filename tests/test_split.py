@@ -1,4 +1,4 @@
-"""Split invariance: any micro-batch budget gives the gradients of no budget (design.md section 4.3).
+"""Split invariance: any micro-batch budget gives the gradients of no budget.
 
 Budgets small enough to cut each tree several times, including cuts inside a long node, for every
 family; and the micro-batch plans themselves (coverage, budget, order, whole-tree packing).

@@ -1,5 +1,5 @@
 """Synthetic rollout generators: determinism, vocabulary bounds, the shapes they promise, and the
-redundancy their defaults are tuned to (design.md section 8).
+redundancy their defaults are tuned to.
 
 Left out: anything about models; these are token-id lists only.
 """
