@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -141,6 +141,16 @@ def model_of(family):
     return cached_model(family, seed=7)
 
 
+def _clips(own, old, adv, mask) -> bool:
+    """Whether a loss token's ratio (own over behaviour, behaviour capped at 0) leaves [0.8, 1.28]
+    on the side its advantage clips."""
+    for o, b, a, m in zip(own, old, adv, mask, strict=True):
+        ratio = np.exp(o - min(b, 0.0))
+        if m and ((a > 0 and ratio > 1.28) or (a < 0 and ratio < 0.8)):
+            return True
+    return False
+
+
 def case_of(family: str, shape: str) -> Case:
     """Annotated trajectories and the fp64 per-trajectory reference, once per (family, forest)."""
     if (family, shape) in _CASES:
@@ -148,7 +158,7 @@ def case_of(family: str, shape: str) -> Case:
     model = model_of(family)
     model64 = fp64_copy(model)
     g = np.random.default_rng(zlib.crc32(f"{family}/{shape}".encode()))
-    trajs, lp64, ent64 = [], [], []
+    trajs, lp64, ent64, owns = [], [], [], []
     for i, t in enumerate(SHAPES[shape]):
         ids = torch.tensor([t.tokens])
         with torch.no_grad():
@@ -164,12 +174,22 @@ def case_of(family: str, shape: str) -> Case:
         # Mostly positive advantages keep the loss away from 0, where fp32 rounding of a difference
         # of large sums would be judged against a tiny value.
         adv = (1.0 + 0.8 * g.standard_normal(n)).tolist()
+        owns.append(own)
         if i in (1, 2):  # far-off behaviour log-probs with negative advantages: ratios ~4.5, dual clip
             far = [p for p in range(n) if p % 4 == 1]
             old = [o - 1.5 if p in far else o for p, o in enumerate(old)]
             adv = [-0.5 - abs(a) if p in far else a for p, a in enumerate(adv)]
         trajs.append(Traj(t.tokens, t.mask, t.group, t.reward, t.first_error,
                           [min(v, 0.0) for v in old], [min(v, 0.0) for v in ref], adv))  # fmt: skip
+    if not any(_clips(own, t.old, t.adv, t.mask) for own, t in zip(owns, trajs, strict=True)):
+        # the draw left the (single) clip unexercised: behaviour log-probs 0.5 below on a few tokens
+        # of the first trajectory, with positive advantages (ratios ~1.65), so every family's data clips
+        t, near = trajs[0], set(range(3, len(trajs[0].tokens), 5))
+        pairs = enumerate(zip(owns[0], t.old, strict=True))
+        trajs[0] = replace(
+            t, old=[min(o - 0.5, 0.0) if p in near else b for p, (o, b) in pairs],
+            adv=[0.5 + abs(a) if p in near else a for p, a in enumerate(t.adv)],
+        )  # fmt: skip
     params64 = dict(model64.named_parameters())
     # The stock fp32 per-trajectory computation of the same references: how exact fp32 can be.
     lp32, ent32 = [], []

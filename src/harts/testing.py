@@ -13,7 +13,11 @@ from harts.adapters import adapter_for_type, supported_families
 
 __all__ = ["ALL_FAMILIES", "FAMILIES", "tiny_config", "tiny_model"]
 
-ALL_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama")
+ALL_FAMILIES = (
+    "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama", "qwen3_5", "lfm2",
+    "minimax",
+    "qwen2", "mistral", "qwen3_moe", "olmo3", "glm4_moe", "gemma3_text", "gpt_oss",
+)
 #: the families the installed transformers has, in the order above
 FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())
 

@@ -1,6 +1,19 @@
 """Model-family adapters. Importing this package registers every supported family."""
 
-from harts.adapters import bailing_hybrid, kimi_linear, llama, qwen3_next  # noqa: F401  (registration)
+from harts.adapters import (  # noqa: F401  (registration)
+    bailing_hybrid,
+    gemma3,
+    gpt_oss,
+    kimi_linear,
+    lfm2,
+    llama,
+    minimax,
+    moe_gqa,
+    olmo3,
+    qwen2,
+    qwen3_5,
+    qwen3_next,
+)
 from harts.adapters.base import FamilyUnavailable, adapter_for, adapter_for_type, supported_families
 
 __all__ = ["adapter_for", "adapter_for_type", "supported_families", "FamilyUnavailable"]

@@ -1,13 +1,15 @@
 """Model-family adapters: how to run one stock Hugging Face decoder layer over a forest.
 
-All supported families share the pre-norm decoder block
+Most families share the pre-norm decoder block
 
     h = h + mixer(input_layernorm(h));  h = h + mlp(post_attention_layernorm(h))
 
-The norms, the MLP and the MoE block are token-wise, so the executor calls the model's own
-modules on the [1, N, D] unique tokens. Only the token mixer (attention or linear attention)
-sees the sequence, and an adapter supplies a tree-aware version of it built from the same
-module's parameters and helper functions (no weight copies, no changes to the model).
+and an adapter states its own placement where it differs (post-norm olmo3, sandwich gemma3:
+:meth:`FamilyAdapter.decoder_block`). The norms, the MLP and the MoE block are token-wise, so the
+executor calls the model's own modules on the [1, N, D] unique tokens. Only the token mixer
+(attention or linear attention) sees the sequence, and an adapter supplies a tree-aware version of
+it built from the same module's parameters and helper functions (no weight copies, no changes to
+the model).
 
 An adapter is a small object holding one family's knowledge: which modules hold the embedding,
 layers, final norm, rotary embedding and head; which mixer function runs each layer; which
@@ -44,20 +46,28 @@ class TreeOps(Protocol):
     """The three sequence operations a tree mixer calls, and the rotary tables it reads.
 
     - ``position_embeddings``: the rotary (cos, sin) at each token's path position, or None;
-    - ``attend(query [1, H, n, d], key, value, scaling)`` -> [1, n, H, dv]: each token attends
-      to its path;
+    - ``attend(query [1, H, n, d], key, value, scaling, window=None, sinks=None)`` -> [1, n, H, dv]:
+      each token attends to its path (with ``window``, to the last ``window`` tokens of it; with
+      ``sinks`` [H], a per-head logit joins the softmax denominator);
     - ``conv(mixed [n, C], weight [C, K], bias)`` -> [n, C]: depthwise causal conv along paths;
     - ``delta_rule(q, k, v, g, beta)`` -> [n, H, V]: gated delta rule with parent-to-child
-      state hand-off.
+      state hand-off;
+    - ``recurrence(rec, *inputs, scale=None)`` -> [n, H, V]: any recurrent layer described by a
+      :class:`~harts.ops.recurrence.Recurrence` (inputs [n, H, ...] in its order), with the same
+      hand-off (``delta_rule`` is this with :data:`~harts.ops.recurrence.DELTA_RULE`).
     """
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
 
-    def attend(self, query, key, value, scaling: float) -> torch.Tensor: ...
+    def attend(
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None
+    ) -> torch.Tensor: ...
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor: ...
 
     def delta_rule(self, q, k, v, g, beta) -> torch.Tensor: ...
+
+    def recurrence(self, recurrence, *inputs, scale: float | None = None) -> torch.Tensor: ...
 
 
 Mixer = Callable[[nn.Module, torch.Tensor, TreeOps], torch.Tensor]
@@ -79,15 +89,34 @@ class FamilyAdapter:
     """
 
     model_types: tuple[str, ...] = ()
+    # config model types that stand for one of ``model_types``: the text causal LM of a family
+    # whose ``model_type`` names its multimodal wrapper (qwen3_5_text -> qwen3_5)
+    config_aliases: dict[str, str] = {}
     router_class: str | None = None
     moe_balancing: MoEBalancing | None = None
+    sliding_windows: bool = False  # the adapter runs sliding-window layers (along paths)
+    modeling_package: dict[str, str] = {}  # model type -> transformers.models package, where they differ
 
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
         every family shares, :func:`check_common_config`)."""
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError when the loaded model lacks a module or attribute the adapter relies on
+        (a transformers version that renamed it), naming the family and the missing piece."""
+
+    def decoder_block(self, layer: nn.Module, hidden: torch.Tensor, mix: Callable, mlp: Callable):
+        """One decoder layer around its token mixer ``mix`` and its ``mlp`` (both [1, N, D] -> [1, N, D]):
+        the pre-norm block ``h += mix(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``."""
+        hidden = hidden + mix(layer.input_layernorm(hidden))
+        return hidden + mlp(layer.post_attention_layernorm(hidden))
+
     def backbone(self, model: nn.Module) -> nn.Module:
         return model.model
+
+    def final_norm(self, backbone: nn.Module) -> nn.Module:
+        """The norm after the last decoder layer (lfm2 calls it ``embedding_norm``)."""
+        return backbone.norm
 
     def rotary(self, backbone: nn.Module) -> nn.Module | None:
         return getattr(backbone, "rotary_emb", None)
@@ -112,6 +141,19 @@ TINY_COMMON = dict(
 )  # fmt: skip
 
 
+def require(family: str, obj, *names: str) -> None:
+    """ValueError naming ``family`` and what ``obj`` (a module or config) lacks among ``names``."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        import transformers
+
+        raise ValueError(
+            f"{family}: {type(obj).__name__} has no {', '.join(missing)} in the installed transformers "
+            f"{transformers.__version__}; harts' {family} adapter relies on it "
+            f"(see the README's supported range)"
+        )
+
+
 def unknown_layer(family: str, layer_type: str) -> ValueError:
     return ValueError(
         f"{family}: layer type {layer_type!r} is not supported (expected full_attention or linear_attention)"
@@ -120,6 +162,7 @@ def unknown_layer(family: str, layer_type: str) -> ValueError:
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
 _UNAVAILABLE: set[str] = set()  # families harts has an adapter for but the installed transformers lacks
+_ALIASES: dict[str, str] = {}  # config model type -> registered family (FamilyAdapter.config_aliases)
 
 
 class FamilyUnavailable(ValueError):
@@ -133,10 +176,13 @@ def _transformers_has(model_type: str) -> bool:
 def register(adapter: FamilyAdapter) -> FamilyAdapter:
     """Register ``adapter`` for each of its model types that the installed transformers has."""
     for name in adapter.model_types:
-        if _transformers_has(name):
+        if _transformers_has(adapter.modeling_package.get(name, name)):
             _REGISTRY[name] = adapter
         else:
             _UNAVAILABLE.add(name)
+    for alias, name in adapter.config_aliases.items():
+        if name in _REGISTRY:
+            _ALIASES[alias] = name
     return adapter
 
 
@@ -156,6 +202,7 @@ def _unavailable(model_type: str) -> FamilyUnavailable:
 
 def adapter_for_type(model_type: str) -> FamilyAdapter:
     """The adapter registered for ``model_type``; ValueError naming the supported families."""
+    model_type = _ALIASES.get(model_type, model_type)
     if model_type in _UNAVAILABLE:
         raise _unavailable(model_type)
     if model_type not in _REGISTRY:
@@ -165,7 +212,7 @@ def adapter_for_type(model_type: str) -> FamilyAdapter:
 
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = _ALIASES.get(getattr(config, "model_type", None), getattr(config, "model_type", None))
     if model_type not in _REGISTRY:
         raise ValueError(
             f"unsupported model family {model_type!r} ({type(model).__name__}); "
@@ -177,8 +224,9 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"got {type(model).__name__}"
         )
     adapter = _REGISTRY[model_type]
-    check_common_config(config)
+    check_common_config(config, sliding_windows=adapter.sliding_windows)
     adapter.check_config(config)
+    adapter.check_model(model)
     return adapter
 
 
@@ -187,13 +235,14 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
-def check_common_config(config) -> None:
-    """Options no family runs exactly over a forest: sliding windows, length-dependent rotary
-    scaling, unknown rotary types, logit soft-capping. One line naming the option."""
+def check_common_config(config, sliding_windows: bool = False) -> None:
+    """Options no family runs exactly over a forest: length-dependent rotary scaling, unknown rotary
+    types, logit soft-capping; sliding windows unless the family's adapter runs them. One line
+    naming the option."""
     family = config.model_type
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+    if not sliding_windows and (getattr(config, "use_sliding_window", False) or "sliding_attention" in (
         getattr(config, "layer_types", None) or []
-    ):
+    )):
         raise ValueError(f"{family}: sliding-window attention is not supported by harts yet")
     rope = getattr(config, "rope_parameters", None) or {}
     types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else set()

@@ -7,7 +7,8 @@ order of the stock forward; only the sequence mixing is replaced:
 
 - attention by ``ctx.attend`` (each token sees its path),
 - the short convolution by ``ctx.conv`` (windows along paths),
-- the delta rule by ``ctx.delta_rule`` (state handoff from parent to child).
+- every recurrence (delta rule, gated linear attention) by ``ctx.recurrence`` with its
+  :class:`~harts.ops.recurrence.Recurrence` (state handoff from parent to child).
 
 The context also hands keys/values, conv inputs and states across micro-batch cuts.
 """
@@ -19,38 +20,65 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from harts.adapters.base import TreeOps, hf_function
+from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 
-__all__ = ["gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer"]
+__all__ = [
+    "gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer", "qwen3_5_gdn_projections", "lightning_mixer",
+]  # fmt: skip
 
 
-def gqa_attention(attn, x, ctx: TreeOps, output_gate: bool = False) -> torch.Tensor:
-    """Grouped-query attention (llama, qwen3), optionally with q/k norms and qwen3_next's output gate."""
+def gqa_attention(
+    attn, x, ctx: TreeOps, output_gate: bool = False, window: int | None = None, sinks: bool = False,
+    rope_key: str = "full_attention",
+) -> torch.Tensor:
+    """Grouped-query attention (llama, qwen2/3, mistral, olmo3, gemma3, gpt_oss, ...): the module's
+    projections (with their biases), optional q/k norms, RoPE, and optionally qwen3_next's output
+    gate, a sliding ``window`` along paths, or gpt-oss's per-head attention ``sinks``.
+
+    q/k norms: over each head (qwen3, gemma3, glm4_moe) when the norm's width is the head size,
+    else over the whole projection before it is split into heads (olmo3). ``rope_key``: the layer
+    type whose rotary table this layer reads, when the context holds one per layer type (gemma3).
+    """
     n = x.shape[1]
     head_dim = attn.head_dim
     hidden_shape = (1, n, -1, head_dim)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    per_head = q_norm is not None and q_norm.weight.shape[-1] == head_dim
     if output_gate:
         query, gate = torch.chunk(attn.q_proj(x).view(1, n, -1, head_dim * 2), 2, dim=-1)
         gate = gate.reshape(1, n, -1)
     else:
-        query, gate = attn.q_proj(x).view(hidden_shape), None
-    key = attn.k_proj(x).view(hidden_shape)
-    if getattr(attn, "q_norm", None) is not None:  # qwen3, qwen3_next: RMSNorm over each head
-        query, key = attn.q_norm(query), attn.k_norm(key)
+        query, gate = attn.q_proj(x), None
+        if q_norm is not None and not per_head:  # olmo3: one norm over all heads
+            query = q_norm(query)
+        query = query.view(hidden_shape)
+    key = attn.k_proj(x)
+    if k_norm is not None and not per_head:
+        key = k_norm(key)
+    key = key.view(hidden_shape)
+    if per_head:  # qwen3, qwen3_next, gemma3, glm4_moe: RMSNorm over each head
+        query, key = q_norm(query), k_norm(key)
     query, key = query.transpose(1, 2), key.transpose(1, 2)
     value = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
-    cos, sin = ctx.position_embeddings
+    tables = ctx.position_embeddings
+    cos, sin = tables[rope_key] if isinstance(tables, dict) else tables
     query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
-    out = ctx.attend(query, key, value, attn.scaling).reshape(1, n, -1)
+    out = ctx.attend(query, key, value, attn.scaling, window=window,
+                     sinks=attn.sinks if sinks else None).reshape(1, n, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return attn.o_proj(out)
 
 
-def mla_attention(attn, x, ctx: TreeOps, rope: bool, head_gate: bool) -> torch.Tensor:
-    """Multi-head latent attention: bailing_hybrid (interleaved RoPE, per-head gate), kimi_linear (NoPE).
+def mla_attention(
+    attn, x, ctx: TreeOps, rope: bool, head_gate: bool, interleave: bool = True
+) -> torch.Tensor:
+    """Multi-head latent attention: bailing_hybrid (interleaved RoPE, per-head gate), kimi_linear (NoPE),
+    deepseek_v3 (RoPE interleaved or not, per ``config.rope_interleave``).
 
     The compressed latent (``kv_a_proj_with_mqa`` and its norm) is computed once per unique token
-    and expanded by the module's own ``expand_kv``.
+    and expanded by the module's own ``expand_kv`` (or, in transformers versions without it, by
+    ``kv_b_proj`` as their forward does).
     """
     n = x.shape[1]
     if getattr(attn, "q_lora_rank", None) is None:
@@ -65,9 +93,15 @@ def mla_attention(attn, x, ctx: TreeOps, rope: bool, head_gate: bool) -> torch.T
     if rope:
         q_pass, q_rot = torch.split(query, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
         cos, sin = ctx.position_embeddings
-        q_rot, k_rot = hf_function(attn, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin)
+        name = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
+        q_rot, k_rot = hf_function(attn, name)(q_rot, k_rot, cos, sin)
         query = torch.cat((q_pass, q_rot), dim=-1)
-    key, value = attn.expand_kv(kv_nope, k_rot)
+    if hasattr(attn, "expand_kv"):
+        key, value = attn.expand_kv(kv_nope, k_rot)
+    else:
+        kv = attn.kv_b_proj(kv_nope[:, 0]).view(1, n, -1, attn.qk_nope_head_dim + attn.v_head_dim)
+        k_nope, value = torch.split(kv.transpose(1, 2), [attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
+        key = torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], -1)), dim=-1)
     out = ctx.attend(query, key, value, attn.scaling)  # [1, N, H, dv]
     if head_gate:
         gate = torch.sigmoid(attn.g_proj(x).float()).to(x.dtype)
@@ -109,17 +143,31 @@ def kda_mixer(attn, x, ctx: TreeOps, output_gate) -> torch.Tensor:
     f = _state_dtype(x)
     g = attn.forget_gate(x)[0].to(f)  # [N, H, K]
     beta = torch.sigmoid(attn.b_proj(x))[0].to(f)  # [N, H]
-    out = ctx.delta_rule(_l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta).to(x.dtype)
+    out = ctx.recurrence(DELTA_RULE, _l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta)
+    out = out.to(x.dtype)
     gate = output_gate(attn, x).view(1, n, heads, head_dim)
     out = attn.o_norm(out[None], gate).reshape(1, n, -1)
     return attn.o_proj(out)
 
 
-def gdn_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
-    """Gated DeltaNet (qwen3_next): fused projections, conv, per-head decay, grouped value heads."""
+def _qwen3_next_gdn_projections(attn, x):
+    """qwen3_next's fused, head-interleaved projections: (q|k|v [N, C] for the conv, z, b, a)."""
     n = x.shape[1]
     query, key, value, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x), attn.in_proj_ba(x))
     mixed = torch.cat([t.reshape(1, n, -1) for t in (query, key, value)], dim=-1)[0]
+    return mixed, z, b, a
+
+
+def qwen3_5_gdn_projections(attn, x):
+    """qwen3_5's separate projections: (q|k|v [N, C] as ``in_proj_qkv`` lays them out, z, b, a)."""
+    return attn.in_proj_qkv(x)[0], attn.in_proj_z(x), attn.in_proj_b(x), attn.in_proj_a(x)
+
+
+def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) -> torch.Tensor:
+    """Gated DeltaNet (qwen3_next; qwen3_5 with ``projections=qwen3_5_gdn_projections``): conv,
+    per-head decay, grouped value heads, gated RMSNorm on the output."""
+    n = x.shape[1]
+    mixed, z, b, a = projections(attn, x)
     mixed = _conv(attn, mixed, ctx)
     query, key, value = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
     f = _state_dtype(x)
@@ -133,6 +181,27 @@ def gdn_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
     g = g[..., None].expand(-1, -1, attn.head_k_dim)
-    out = ctx.delta_rule(_l2norm(query), _l2norm(key), value, g, beta).to(x.dtype)
+    out = ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(x.dtype)
     out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
     return attn.out_proj(out.reshape(1, n, -1))
+
+
+
+def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
+    """MiniMax lightning attention: silu(qkv), gated linear attention with one fixed decay per head
+    (``exp(-slope_rate)``, no scale), RMSNorm over all heads, sigmoid output gate.
+
+    The stock forward computes the same recurrence block by block with precomputed decay tables
+    (``query_decay``, ``key_decay``, ``diagonal_decay``); here it is the contract's
+    :data:`~harts.ops.recurrence.GATED_LINEAR_ATTENTION` with g = -slope_rate for every channel.
+    """
+    n = x.shape[1]
+    heads, head_dim = attn.num_attention_heads, attn.head_dim
+    qkv = attn.act_fn(attn.qkv_proj(x))[0].reshape(n, heads, 3 * head_dim)
+    f = _state_dtype(x)
+    query, key, value = (t.to(f) for t in torch.split(qkv, head_dim, dim=-1))
+    g = (-attn.slope_rate.to(f).reshape(1, heads, 1)).expand(n, heads, head_dim)
+    out = ctx.recurrence(GATED_LINEAR_ATTENTION, query, key, value, g, scale=1.0).to(x.dtype)
+    out = attn.norm(out.reshape(1, n, heads * head_dim))
+    out = torch.sigmoid(attn.output_gate(x)) * out
+    return attn.out_proj(out)

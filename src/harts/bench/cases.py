@@ -58,6 +58,10 @@ _SMALL_EXTRA = {
     "qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32),
     "qwen3": dict(head_dim=32),
     "llama": dict(),
+    "qwen3_moe": dict(moe_intermediate_size=64, head_dim=32),  # full attention with softmax MoE
+    "glm4_moe": dict(moe_intermediate_size=64, head_dim=32),
+    "qwen2": dict(), "mistral": dict(head_dim=32), "olmo3": dict(),
+    "gemma3_text": dict(head_dim=32), "gpt_oss": dict(head_dim=32),
 }
 
 

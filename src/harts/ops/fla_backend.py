@@ -259,7 +259,8 @@ def _compiled_flex():
 
 
 def flex_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scaling: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scaling: float,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`harts.ops.tree_attention.tree_attention` by one ``flex_attention`` call. Returns [n, H, Dv].
 
@@ -268,6 +269,10 @@ def flex_tree_attention(
     """
     from torch.nn.attention.flex_attention import flex_attention
 
+    if plan.windowed(window) is not plan or sinks is not None:
+        raise ValueError("the 'fla' backend's tree attention has no sliding window or attention sinks; "
+                         "run layers that use them (windowed qwen2, mistral, qwen3_moe, olmo3, gemma3_text, "
+                         "gpt_oss) on the 'torch' backend")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"expected q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

@@ -35,6 +35,15 @@ differentiate it by autograd: one more forward per group, and then the output is
 Where it is, modifying it in place before backward raises. No double backward (the backward is
 once-differentiable).
 
+Sliding windows and attention sinks (``tree_attention(..., window=W, sinks=s)``): a window runs
+the plan's windowed form (:meth:`~harts.plan.attention.TreeAttentionPlan.windowed`: each token sees
+the last W tokens of its path). A sink is a learned per-head logit s_h added to the softmax
+denominator (gpt-oss): the weights become exp(score_j) / (sum_j exp(score_j) + exp(s_h)). It runs
+as one more key per block, appended after the block's keys and always visible, whose score is s_h
+and whose value is zero: r more channels, where query head s of a key/value head carries 1 in
+channel s and the sink key carries s_h / scaling, real and padding keys 0. Its gradient is that
+key's gradient in those channels, summed over blocks.
+
 Limits: in float16 a padding key's weight is exp(-finfo.max / 4 * scale - max score), zero only
 while scores stay above about -1000. CPU SDPA runs its fast (flash) kernel only with equal key and
 value head sizes and a 4-D mask, so the narrower of keys and values is zero-padded. Measured on
@@ -51,7 +60,7 @@ from torch.autograd.function import once_differentiable
 
 from harts.plan.attention import AttentionGroup, TreeAttentionPlan
 
-__all__ = ["masked_tree_attention", "tree_attention"]
+__all__ = ["masked_tree_attention", "tree_attention", "path_attention_reference"]
 
 
 def masked_tree_attention(
@@ -72,17 +81,44 @@ def masked_tree_attention(
     return out.transpose(0, 1)
 
 
+def path_attention_reference(q, k, v, paths: list[torch.Tensor], scaling: float, window: int | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain definition, one query at a time in float64 (tests only). Returns [n, H, Dv].
+
+    ``paths[t]``: the key rows of query t's path, root first, itself last. With ``window``, the
+    query sees the last ``window`` of them; with ``sinks`` [H], a logit per head joins the softmax
+    denominator and its weight is dropped.
+    """
+    h, hkv = q.shape[0], k.shape[0]
+    q, k, v = q.double(), k.double(), v.double()
+    rows = []
+    for t, path in enumerate(paths):
+        keys = path if window is None else path[max(0, path.numel() - window):]
+        heads = []
+        for head in range(h):
+            kv = head // (h // hkv)
+            scores = (k[kv, keys] @ q[head, t]) * scaling  # [L]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[head].double().reshape(1)])
+            weights = torch.softmax(scores, dim=0)[: keys.numel()]
+            heads.append(weights @ v[kv, keys])
+        rows.append(torch.stack(heads))
+    return torch.stack(rows) if rows else v.new_zeros(0, h, v.shape[-1])
+
+
 # ---- grouped form ------------------------------------------------------------------------------
 
 
-
-
 def tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scaling: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scaling: float,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact tree attention by the groups of ``plan``. Returns [n, H, Dv]; differentiable in q, k, v.
+    """Exact tree attention by the groups of ``plan``. Returns [n, H, Dv]; differentiable in q, k, v
+    (and ``sinks``).
 
     q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv]; query head h reads key/value head h // (H // Hkv).
+    ``window``: each token sees the last ``window`` tokens of its path (None: all of it);
+    ``sinks`` [H]: a logit per query head added to the softmax denominator (module docstring).
     Backward saves q, k, v as passed, the returned output and small per-group logsumexps, and
     gathers again (module docstring, Backward); it supports no double backward.
     """
@@ -100,7 +136,10 @@ def tree_attention(
         return q.new_zeros(0, h, dv)
     if plan.key_index.device != q.device:
         raise ValueError(f"plan lives on {plan.key_index.device}, tensors on {q.device}")
-    return _TreeAttention.apply(q, k, v, plan, scaling)
+    if sinks is not None and (sinks.shape != (h,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be [H] = [{h}] on {q.device}, "
+                         f"got {tuple(sinks.shape)} on {sinks.device}")
+    return _TreeAttention.apply(q, k, v, sinks, plan.windowed(window), scaling)
 
 
 # CPU groups run the fused flash kernels directly, so backward needs only each group's logsumexp;
@@ -120,13 +159,13 @@ class _TreeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: TreeAttentionPlan, scaling: float):
+    def forward(ctx, q, k, v, sinks, plan: TreeAttentionPlan, scaling: float):
         hkv, _, dv = v.shape
         r = q.shape[0] // hkv
         outs, lses = [], []
-        for g, _, _, qg, kg, vg in _gathered_groups(q, k, v, plan, scaling):
-            mask = plan.mask(g.lq, g.lk, r, q.dtype)
-            if g.lk > 1 and _fused(qg, kg, vg, mask, scaling):
+        for g, _, _, qg, kg, vg in _gathered_groups(q, k, v, plan, scaling, sinks):
+            mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
+            if kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling):
                 out, lse = _flash_forward(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scaling)
             else:
                 out, lse = _attend_group(g, qg, kg, vg, mask, scaling), None
@@ -137,14 +176,14 @@ class _TreeAttention(torch.autograd.Function):
         fused = any(lse is not None for lse in lses)
         # The output is saved only for the fused backward (which reads it in sum(dO * O)); callers
         # usually keep it anyway (the next op saves it), so it costs no extra memory there.
-        ctx.save_for_backward(q, k, v, output if fused else None, *lses)
+        ctx.save_for_backward(q, k, v, sinks, output if fused else None, *lses)
         ctx.plan, ctx.scaling = plan, scaling
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, k, v, output, *lses = ctx.saved_tensors
+        q, k, v, sinks, output, *lses = ctx.saved_tensors
         plan, scaling = ctx.plan, ctx.scaling
         h, n, dk = q.shape
         hkv, m, dv = v.shape
@@ -159,7 +198,8 @@ class _TreeAttention(torch.autograd.Function):
             return rows.view(hkv, total, dv)
 
         grad_st, out_st = stacked(grad), None if output is None else stacked(output)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        need_q, need_k, need_v, need_s = ctx.needs_input_grad[:4]
+        sink_grad = q.new_zeros(hkv, r, dtype=torch.float64) if need_s else None
         # A query row gets one group's gradient; a key row sums over every block that reads it,
         # accumulated in float32 for float16/bfloat16 inputs. Row m: the padding key, dropped.
         acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
@@ -167,11 +207,11 @@ class _TreeAttention(torch.autograd.Function):
         dk_all = k.new_zeros(hkv, m + 1, dk, dtype=acc) if need_k else None
         dv_all = v.new_zeros(hkv, m + 1, dv, dtype=acc) if need_v else None
         at = 0
-        for (g, q_rows, k_rows, qg, kg, vg), lse in zip(_gathered_groups(q, k, v, plan, scaling), lses,
-                                                         strict=True):
+        groups = _gathered_groups(q, k, v, plan, scaling, sinks)
+        for (g, q_rows, k_rows, qg, kg, vg), lse in zip(groups, lses, strict=True):
             rows, dp = qg.shape[1] * qg.shape[2], qg.shape[-1]
             grad_g = _widen(grad_st[:, at: at + rows], dp).reshape(qg.shape)
-            mask = plan.mask(g.lq, g.lk, r, q.dtype)
+            mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
             if lse is not None:
                 out_g = _widen(out_st[:, at: at + rows], dp).reshape(qg.shape)
                 gq, gk, gv = _flash_backward(grad_g, qg, kg, vg, out_g, lse, 0.0, False,
@@ -182,6 +222,11 @@ class _TreeAttention(torch.autograd.Function):
                     leaves = [x.detach().requires_grad_() for x in (qg, kg, vg)]
                     out = _attend_group(g, *leaves, mask, scaling)
                     gq, gk, gv = torch.autograd.grad(out, leaves, grad_g)
+            if sinks is not None:  # the sink column: its channels' gradient, then the real keys
+                if need_s:
+                    base = dk + g.pad_keys
+                    sink_grad += gk[:, :, -1, base: base + r].sum(1).double()
+                gk, gv = gk[:, :, :-1], gv[:, :, :-1]
             if need_q:
                 dq_all.index_add_(1, q_rows, gq.reshape(hkv, rows, dp)[..., :dk])
             if need_k:
@@ -189,13 +234,43 @@ class _TreeAttention(torch.autograd.Function):
             if need_v:
                 dv_all.index_add_(1, k_rows, gv.reshape(hkv, -1, dp)[..., :dv].to(acc))
             at += rows
+        d_sinks = (sink_grad / scaling).reshape(h).to(sinks.dtype) if need_s else None
         return (dq_all.view(h, n, dk) if need_q else None, dk_all[:, :m].to(k.dtype) if need_k else None,
-                dv_all[:, :m].to(v.dtype) if need_v else None, None, None)
+                dv_all[:, :m].to(v.dtype) if need_v else None, d_sinks, None, None)
 
 
-def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float):
+def _group_mask(plan: TreeAttentionPlan, g: AttentionGroup, r: int, dtype, sink: bool):
+    """The group's additive mask; with a sink, one more column (the sink key), always visible."""
+    mask = plan.mask(g.lq, g.lk, r, dtype)
+    if not sink or mask is None:
+        return mask
+    key = ("sink_mask", g.lq, g.lk, r, dtype)
+    if key not in plan._cache:
+        plan._cache[key] = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], 1)], dim=-1)
+    return plan._cache[key]
+
+
+def _sink_channels(q, k, sinks, scaling: float, at: int, dp: int):
+    """q widened with r one-hot head channels at column ``at`` (query head s of each key/value head:
+    1 in column at + s), and the sink key [Hkv, dp] carrying s_h / scaling there (module docstring)."""
+    h, n, dk = q.shape
+    hkv = k.shape[0]
+    r = h // hkv
+    onehot = torch.eye(r, dtype=q.dtype, device=q.device).repeat(hkv, 1)  # [H, r]
+    pad = q.new_zeros(h, n, at - dk) if at > dk else None
+    if pad is not None:  # the padding channel: 1 for queries (module docstring)
+        pad[..., 0] = 1.0
+    parts = [q] + ([pad] if pad is not None else []) + [onehot[:, None, :].expand(h, n, r)]
+    qx = _widen(torch.cat(parts, dim=-1), dp)
+    sink_key = k.new_zeros(hkv, dp)
+    sink_key[:, at: at + r] = (sinks.detach().to(k.dtype) / scaling).view(hkv, r)
+    return qx, sink_key
+
+
+def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float, sinks=None):
     """Per group of ``plan``, in order: (group, its rows of q [Hkv, r n, .], its key rows, and its
-    queries [Hkv, G, r * Lq, dp], keys and values [Hkv, G, Lk, dp], gathered and widened)."""
+    queries [Hkv, G, r * Lq, dp], keys and values [Hkv, G, Lk, dp], gathered and widened; with
+    ``sinks``, the keys and values get the sink column Lk + 1)."""
     h, n, dk = q.shape
     hkv, _, dv = v.shape
     r = h // hkv
@@ -206,9 +281,14 @@ def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float):
         if not groups:
             continue
         # Values are zero-padded to the key width since CPU flash attention needs equal widths;
-        # with key padding, the extra channel (module docstring) and the pad key at row m join.
-        dp = max(dk + pad, dv)
-        qx = _widen(q, dp, 1.0 if pad else None).reshape(hkv, r * n, dp)
+        # with key padding, the extra channel (module docstring) and the pad key at row m join;
+        # with sinks, r head channels after it.
+        dp = max(dk + pad + (r if sinks is not None else 0), dv)
+        if sinks is None:
+            qx = _widen(q, dp, 1.0 if pad else None).reshape(hkv, r * n, dp)
+        else:
+            qx, sink_key = _sink_channels(q, k, sinks, scaling, dk + pad, dp)
+            qx = qx.reshape(hkv, r * n, dp)
         kx, vx = _widen(k, dp), _widen(v, dp)
         if pad:
             pad_key = k.new_zeros(hkv, 1, dp)
@@ -220,14 +300,17 @@ def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float):
             qr = q_rows[q_at: q_at + g.size * r * g.lq]
             kr = plan.key_index[k_at: k_at + g.size * g.lk]
             q_at, k_at = q_at + qr.numel(), k_at + kr.numel()
-            yield (g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp),
-                   kx.index_select(1, kr).view(hkv, g.size, g.lk, dp),
-                   vx.index_select(1, kr).view(hkv, g.size, g.lk, dp))
+            kg = kx.index_select(1, kr).view(hkv, g.size, g.lk, dp)
+            vg = vx.index_select(1, kr).view(hkv, g.size, g.lk, dp)
+            if sinks is not None:
+                kg = torch.cat([kg, sink_key[:, None, None].expand(hkv, g.size, 1, dp)], dim=2)
+                vg = torch.cat([vg, vg.new_zeros(hkv, g.size, 1, dp)], dim=2)
+            yield g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp), kg, vg
 
 
 def _attend_group(g: AttentionGroup, qg, kg, vg, mask, scaling: float) -> torch.Tensor:
     """One group's attention [Hkv, G, r * Lq, dp] by autograd-able ops (any device)."""
-    if g.lk == 1:
+    if kg.shape[2] == 1:
         # A lone key gets weight 1: its value, exactly, and exactly zero gradient for the query
         # and key, which SDPA's backward leaves at rounding noise (~1e-6 in fp32). The zero term
         # keeps q and k in the graph (and propagates NaN as SDPA would).

@@ -1,4 +1,6 @@
-"""Gated delta rule over a forest: differentiable state handoff from parent to child.
+"""Any recurrence of the contract (:mod:`harts.ops.recurrence`) over a forest: differentiable state
+handoff from parent to child. :func:`tree_recurrence` is the general form; :func:`tree_gated_delta_rule`
+the delta rule through it, unchanged.
 
 Each call of a :class:`~harts.plan.waves.LinearPlan` gathers its segments into a right-padded
 batch, starts each segment from the fp32 final state of its ``init_node`` (zeros at roots), runs
@@ -9,15 +11,16 @@ which replays the chunk that holds the boundary from its chunk-start state: exac
 of chunks to nodes needed). The states are ordinary tensors in the autograd graph, never written
 in place, so the gradient of a parent's final state is the sum over its children by construction.
 
-Shapes: q, k [N, H, K]; v [N, H, V]; g [N, H, K] (log decay per key channel; GDN's per-head gate
-is expanded over K by the caller); beta [N, H]. Returns o [N, H, V] and the final state [H, K, V]
+Shapes: the recurrence's per-token inputs [N, H, ...] (for the delta rule q, k [N, H, K]; v [N, H, V];
+g [N, H, K], log decay per key channel, GDN's per-head gate expanded over K by the caller; beta
+[N, H]). Returns o [N, H, V] and the final state [H, K, V]
 of every node of the plan (inner chain nodes included: children in later calls and later
 micro-batches read them). ``root_states`` supplies the initial state of segments that start at a
 node without a parent in the plan (``init_node == -1``), keyed by that node: the final state of
 its parent in an earlier micro-batch. Missing entries start from zeros.
 
 ``recompute=True`` trades compute for memory: each call keeps for backward only references to
-the inputs (q, k, v, g, beta as passed, shared by all calls, and its initial states) and runs its
+the inputs (as passed, shared by all calls, and its initial states) and runs its
 forward again in backward (``torch.utils.checkpoint``). The kernel's internals (chunk matrices,
 padded slots, per-chunk states) then live only while one call's backward runs, so the padding of
 short tree segments no longer counts: on the hybrid bench configs a 1000-token micro-batch's
@@ -32,10 +35,10 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from harts.ops.backends import current_backend
+from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.plan.waves import LinearCall, LinearPlan
 
-__all__ = ["tree_gated_delta_rule"]
+__all__ = ["tree_gated_delta_rule", "tree_recurrence"]
 
 
 def tree_gated_delta_rule(
@@ -49,14 +52,32 @@ def tree_gated_delta_rule(
     root_states: dict[int, torch.Tensor] | None = None,
     recompute: bool = False,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    n, h, dk = k.shape
-    dv = v.shape[-1]
+    """The gated delta rule (:data:`~harts.ops.recurrence.DELTA_RULE`) over ``plan``."""
+    return tree_recurrence(DELTA_RULE, (q, k, v, g, beta), plan, scale, root_states, recompute)
+
+
+def tree_recurrence(
+    recurrence: Recurrence,
+    inputs: tuple[torch.Tensor, ...],
+    plan: LinearPlan,
+    scale: float | None = None,
+    root_states: dict[int, torch.Tensor] | None = None,
+    recompute: bool = False,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``recurrence`` over ``plan``: (o [N, H, V], {node: final state [H, K, V]})."""
+    recurrence.check(inputs)
+    n = inputs[0].shape[0]
     if n != plan.num_tokens:
-        raise ValueError(f"the plan covers {plan.num_tokens} tokens but k has {n} rows (k: {tuple(k.shape)})")
-    kernel = current_backend().delta_rule
+        raise ValueError(
+            f"the plan covers {plan.num_tokens} tokens but the {recurrence.name} inputs have {n} rows "
+            f"({recurrence.inputs[0]}: {tuple(inputs[0].shape)})"
+        )
+    h, dk, dv = recurrence.state_shape(inputs)
+    kernel = recurrence.kernel()
     states: dict[int, torch.Tensor] = {}
     root_states = root_states or {}
     outputs = []
+    q = inputs[0]
     zero_state = torch.zeros(h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     recompute = recompute and torch.is_grad_enabled()
     for call in plan.calls:
@@ -69,9 +90,9 @@ def tree_gated_delta_rule(
         )
         run = functools.partial(_run_call, kernel, call, scale)
         if recompute:
-            o, final, inner = checkpoint(run, q, k, v, g, beta, init, use_reentrant=False)
+            o, final, inner = checkpoint(run, init, *inputs, use_reentrant=False)
         else:
-            o, final, inner = run(q, k, v, g, beta, init)
+            o, final, inner = run(init, *inputs)
         for w, nodes in enumerate(call.boundary_nodes):
             for s, node in enumerate(nodes):
                 states[node] = inner[w, s]
@@ -81,10 +102,10 @@ def tree_gated_delta_rule(
     return torch.cat(outputs, dim=0)[plan.output_order()], states
 
 
-def _run_call(kernel, call: LinearCall, scale, q, k, v, g, beta, init):
+def _run_call(kernel, call: LinearCall, scale, init, *inputs):
     """One call: gather its segments' rows, run the kernel; (valid outputs, final, inner states)."""
     idx = call.token_index
-    args = (q[idx], k[idx], v[idx], g[idx], beta[idx])
+    args = tuple(x[idx] for x in inputs)
     if call.num_boundaries:
         o, final, inner = kernel(
             *args, initial_state=init, lengths=call.lengths, scale=scale,

@@ -7,6 +7,13 @@ The key space may be larger than the query space (keys of ancestors computed in 
 micro-batch). :func:`plan_reference_mask` is the plain dense mask of the same visibility, used by
 the tests. The op that runs a plan is :func:`harts.ops.tree_attention.tree_attention`.
 
+Sliding windows run along paths: with window W a token at path position p sees the keys at path
+positions p - W + 1 .. p of its own path (transformers' ``kv_idx > q_idx - sliding_window``). A
+node's ancestor key list is its whole path from the root, so a key's column in a block's list is
+its path position; a windowed plan (:meth:`TreeAttentionPlan.windowed`) gathers only the last
+W - 1 + b keys of a block of b queries, and the block's rule becomes a bottom-right band of width
+W, the same for every block of a group because keys and queries are right-aligned.
+
 A plan depends only on the forest's structure, so it is built once per micro-batch and reused by
 every full-attention layer.
 """
@@ -65,15 +72,35 @@ class TreeAttentionPlan:
     row_offset: torch.Tensor  # [n]
     exact_cost: int
     padded_cost: int
+    window: int | None = None  # sliding window along paths (None: whole paths)
+    max_path_length: int = 0  # longest path (ancestors + own node) among the plan's nodes
+    _nodes: tuple | None = field(default=None, repr=False)  # the node description, for windowed plans
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def windowed(self, window: int | None) -> TreeAttentionPlan:
+        """The plan of the same nodes where each token sees only the last ``window`` tokens of its path
+        (itself included); this plan when ``window`` is None or covers every path. Cached."""
+        if window is None or window >= self.max_path_length:
+            return self
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding window must be a positive integer, got {window!r}")
+        key = ("windowed", window)
+        if key not in self._cache:
+            nodes, budget = self._nodes
+            self._cache[key] = _plan(*nodes, self.num_queries, self.num_keys, self.key_index.device,
+                                     budget, window)
+        return self._cache[key]
+
     def mask(self, lq: int, lk: int, r: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """[1, 1, r * Lq, Lk] additive bottom-right causal mask, cached so layers share one tensor."""
+        """[1, 1, r * Lq, Lk] additive bottom-right causal mask (a band of the plan's window), cached
+        so layers share one tensor."""
         if lq == 1:
-            return None  # the single query row sees every key
+            return None  # the single query row sees every key (a windowed block gathers only its window)
         key = ("mask", lq, lk, r, dtype)
         if key not in self._cache:
             allowed = torch.ones(lq, lk, dtype=torch.bool, device=self.key_index.device).tril_(lk - lq)
+            if self.window is not None:  # keys more than window - 1 columns left of the query's own
+                allowed.triu_(lk - lq - self.window + 1)
             additive = torch.zeros(lq, lk, dtype=dtype, device=allowed.device)
             self._cache[key] = additive.masked_fill_(~allowed, float("-inf")).repeat(r, 1)[None, None]
         return self._cache[key]
@@ -120,15 +147,19 @@ def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_ke
     return qs, ln, ks, anc
 
 
-def _query_blocks(a: int, length: int, budget: int) -> list[tuple[int, int]]:
+def _query_blocks(a: int, length: int, budget: int, window: int | None = None) -> list[tuple[int, int]]:
     """(start, size) of one node's query blocks, given ``a`` ancestor keys and a score budget."""
     blocks, s = [], 0
     while s < length:
-        b = max(_MIN_QUERY_BLOCK, (a + s) // _BLOCK_DIV)
-        # Largest b with b * (a + s + b) <= budget: the block alone must fit one call.
-        fit = int((-(a + s) + ((a + s) ** 2 + 4 * budget) ** 0.5) / 2)
+        # keys before the block's first query: its path so far, or the window's W - 1
+        before = a + s if window is None else min(a + s, window - 1)
+        b = max(_MIN_QUERY_BLOCK, before // _BLOCK_DIV)
+        if window is not None:  # a block's keys are W - 1 + b for W * b visible pairs: b <= W / 4
+            b = min(b, max(1, window // _BLOCK_DIV))
+        # Largest b with b * (before + b) <= budget: the block alone must fit one call.
+        fit = int((-before + (before ** 2 + 4 * budget) ** 0.5) / 2)
         b = max(1, min(b, fit, length - s))
-        if 0 < length - s - b <= b // 4 and (length - s) * (a + length) <= budget:
+        if 0 < length - s - b <= b // 4 and (length - s) * (before + length - s) <= budget:
             b = length - s  # fold a short tail into this block rather than start another call
         blocks.append((s, b))
         s += b
@@ -144,25 +175,41 @@ def plan_tree_attention(
     num_keys: int,
     device=None,
     max_group_tokens: int | None = None,
+    window: int | None = None,
 ) -> TreeAttentionPlan:
     """Group one micro-batch's nodes into batched attention calls. Loops over nodes once, on the host.
 
     Node m owns query rows ``[node_query_start[m], + node_length[m])`` and key rows
     ``[node_key_start[m], + node_length[m])``; ``node_ancestor_keys[m]`` lists the key rows of all
-    tokens on its ancestor nodes in path order. Nodes must cover the query rows exactly once.
+    tokens on its ancestor nodes in path order (the whole path from the root, so that a key's place
+    in it is its path position). Nodes must cover the query rows exactly once.
     ``max_group_tokens`` bounds one call's G * max(Lq, 64) * Lk score elements per head (default
     2**24); a single query block whose key row alone exceeds it still runs, one query at a time.
+    ``window``: each token sees only the last ``window`` tokens of its path (module docstring);
+    the plan's :meth:`~TreeAttentionPlan.windowed` gives the same for an existing plan.
     """
     budget = int(max_group_tokens or _DEFAULT_GROUP_TOKENS)
     if budget < 1:
         raise ValueError(f"max_group_tokens must be positive, got {max_group_tokens}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be a positive integer, got {window!r}")
     qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
                                    num_queries, num_keys)
-    device = torch.device(device or "cpu")
-    # Blocks: (node, own offset s, queries b); keys are a + s + b (ancestors and own keys up to its end).
-    blocks = [(m, s, b) for m in range(qs.size) for s, b in _query_blocks(anc[m].size, int(ln[m]), budget)]
-    lq = np.array([b for _, _, b in blocks], dtype=np.int64)
-    lk = np.array([anc[m].size + s + b for m, s, b in blocks], dtype=np.int64)
+    return _plan(qs, ln, ks, anc, num_queries, num_keys, torch.device(device or "cpu"), budget, window)
+
+
+def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int, window: int | None):
+    """:func:`plan_tree_attention` on checked host arrays."""
+    max_path = int(max((a.size + int(l_) for a, l_ in zip(anc, ln, strict=True)), default=0))
+    if window is not None and window >= max_path:
+        window = None  # the window covers every path: plain attention
+    # Blocks: (node, own offset s, queries b, first key column k0); keys are the path's columns
+    # k0 .. a + s + b - 1 (ancestors and own keys up to the block's end; with a window, from the
+    # first one the block's first query sees).
+    blocks = [(m, s, b, 0 if window is None else max(0, anc[m].size + s - window + 1))
+              for m in range(qs.size) for s, b in _query_blocks(anc[m].size, int(ln[m]), budget, window)]
+    lq = np.array([b for _, _, b, _ in blocks], dtype=np.int64)
+    lk = np.array([anc[m].size + s + b - k0 for m, s, b, k0 in blocks], dtype=np.int64)
     # Similar shapes next to each other: query-size class (powers of two), then keys descending.
     order = np.lexsort((-lq, -lk, -np.ceil(np.log2(np.maximum(lq, 1)))))
     # Greedy: a block joins the open group while the padding it adds, and the group's padding in
@@ -195,12 +242,11 @@ def plan_tree_attention(
         q_index = np.zeros((size, g_lq), dtype=np.int64)
         k_index = np.full((size, g_lk), num_keys, dtype=np.int64)
         for slot, j in enumerate(order[g0:g1]):
-            m, s, b = blocks[j]
-            a = anc[m].size
+            m, s, b, k0 = blocks[j]
             rows = qs[m] + s + np.arange(b)
             q_index[slot, g_lq - b:] = rows
-            k_index[slot, g_lk - a - s - b: g_lk - s - b] = anc[m]
-            k_index[slot, g_lk - s - b:] = ks[m] + np.arange(s + b)
+            path = np.concatenate([anc[m], ks[m] + np.arange(s + b)])[k0:]
+            k_index[slot, g_lk - path.size:] = path
             row_base[rows] = base + slot * g_lq
             row_stride[rows] = g_lq
             row_offset[rows] = g_lq - b + np.arange(b)
@@ -209,10 +255,16 @@ def plan_tree_attention(
         groups.append(AttentionGroup(size, g_lq, g_lk, bool((lk[order[g0:g1]] < g_lk).any())))
         base += size * g_lq
         padded += size * g_lq * g_lk
-    exact = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
+    if window is None:
+        exact = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
+    else:  # query at path position p sees min(p + 1, W) keys; a block's queries sit at a + s .. + b - 1
+        first = np.array([anc[m].size + s for m, s, _, _ in blocks], dtype=np.int64) + 1
+        ramp = np.clip(window - first, 0, lq)  # queries still below the window's full width
+        exact = int((ramp * first + ramp * (ramp - 1) // 2 + (lq - ramp) * window).sum())
     q_all, k_all = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (q_parts, k_parts))
     return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
-                             for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded)
+                             for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded,
+                             window, max_path, ((qs, ln, ks, anc), budget))
 
 
 def plan_reference_mask(
@@ -224,13 +276,18 @@ def plan_reference_mask(
     num_keys: int,
     device=None,
     max_group_tokens: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """[n, m] bool: the keys each query may see, built densely node by node (tests only)."""
+    """[n, m] bool: the keys each query may see, built densely node by node (tests only); with
+    ``window``, only the last ``window`` tokens of each query's path."""
     qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
                                    num_queries, num_keys)
     mask = torch.zeros(num_queries, num_keys, dtype=torch.bool)
     for m in range(qs.size):
         q0, k0, length = int(qs[m]), int(ks[m]), int(ln[m])
-        mask[q0: q0 + length, torch.from_numpy(anc[m])] = True
-        mask[q0: q0 + length, k0: k0 + length] = torch.ones(length, length, dtype=torch.bool).tril_()
+        path = torch.cat([torch.from_numpy(anc[m]), torch.arange(k0, k0 + length)])
+        for i in range(length):  # query i of the node sits at path position a + i
+            p = anc[m].size + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            mask[q0 + i, path[lo: p + 1]] = True
     return mask.to(device or "cpu")

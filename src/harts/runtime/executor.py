@@ -169,15 +169,14 @@ def run_layout(
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
 
+    def mlp(layer, x):
+        out = layer.mlp(x)
+        return out[0] if isinstance(out, tuple) else out
+
     def block(hidden, index, layer, module, mixer):
         ctx.begin_layer(index)  # idempotent: a checkpoint's replay in backward records nothing twice
-        residual = hidden
-        hidden = residual + mixer(module, layer.input_layernorm(hidden), ctx)
-        residual = hidden
-        mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
-        if isinstance(mlp_out, tuple):
-            mlp_out = mlp_out[0]
-        return residual + mlp_out
+        # the family's norm placement (pre-norm, post-norm, sandwich) around the tree mixer
+        return adapter.decoder_block(layer, hidden, lambda x: mixer(module, x, ctx), lambda x: mlp(layer, x))
 
     for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
         if checkpointed(model, layer):
@@ -186,7 +185,7 @@ def run_layout(
             hidden = checkpoint(block, hidden, index, layer, module, mixer, use_reentrant=False)
         else:
             hidden = block(hidden, index, layer, module, mixer)
-    return backbone.norm(hidden)[0], ctx.exports
+    return adapter.final_norm(backbone)(hidden)[0], ctx.exports
 
 
 def checkpointed(model: nn.Module, layer: nn.Module) -> bool:

@@ -3,7 +3,8 @@
 - :class:`LayerHandoff`: per layer, what one micro-batch hands to the later ones that continue
   its paths (keys/values and conv inputs of tokens, final linear-attention states of nodes).
 - :class:`MixerContext`: the :class:`~harts.adapters.base.TreeOps` of one micro-batch. Mixers call
-  ``attend``, ``conv`` and ``delta_rule``; the context runs the ops over the micro-batch's layout,
+  ``attend``, ``conv`` and ``recurrence`` (any layer of :mod:`harts.ops.recurrence`; ``delta_rule``
+  is the delta rule through it); the context runs the ops over the micro-batch's layout,
   reads what earlier micro-batches handed over and collects what this one hands on.
 - :class:`HandoffBanks`: the hand-overs of every part run so far, gathered into the rows a later
   part reads.
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 
 from harts.ops.backends import current_backend
+from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.ops.short_conv import tree_short_conv
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.ops.tree_delta_rule import tree_recurrence
 from harts.plan.layout import TreeLayout
 
 __all__ = ["LayerHandoff", "MixerContext", "HandoffBanks"]
@@ -54,8 +56,8 @@ class MixerContext:
     ``external[layer]`` holds the context handed over by earlier micro-batches (key space rows
     0..E-1 for keys/values and conv inputs; states of cut roots' parents); ``exports[layer]``
     collects what this micro-batch hands on. Mixers never see either: they call
-    :meth:`attend`, :meth:`conv` and :meth:`delta_rule`. ``recompute_linear``: linear-attention
-    calls keep only their inputs for backward and run again there (:func:`tree_gated_delta_rule`).
+    :meth:`attend`, :meth:`conv` and :meth:`recurrence`. ``recompute_linear``: recurrent calls
+    keep only their inputs for backward and run again there (:func:`tree_recurrence`).
     """
 
     def __init__(
@@ -84,8 +86,12 @@ class MixerContext:
     def _ext(self) -> LayerHandoff | None:
         return self.external[self.layer] if self.external is not None else None
 
-    def attend(self, query, key, value, scaling: float) -> torch.Tensor:
-        """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv]."""
+    def attend(
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None
+    ) -> torch.Tensor:
+        """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv].
+        ``window``: each token sees the last ``window`` tokens of its path; ``sinks`` [H]: per-head
+        logits added to the softmax denominator."""
         key, value = key[0], value[0]
         rows = self.layout.export_token_rows
         if rows.numel():  # computed on a replay too, so that it saves what the first run saved
@@ -95,7 +101,9 @@ class MixerContext:
         ext = self._ext()
         if ext is not None and ext.key is not None:
             key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
-        return current_backend().attention(query[0], key, value, self.layout.attention_plan, scaling)[None]
+        extra = {k: x for k, x in (("window", window), ("sinks", sinks)) if x is not None}
+        plan = self.layout.attention_plan
+        return current_backend().attention(query[0], key, value, plan, scaling, **extra)[None]
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
         """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
@@ -111,12 +119,17 @@ class MixerContext:
 
     def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
         """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
+        return self.recurrence(DELTA_RULE, q, k, v, g, beta)
+
+    def recurrence(self, recurrence: Recurrence, *inputs, scale: float | None = None) -> torch.Tensor:
+        """``recurrence`` over the layout's linear plan, states handed from parent to child and
+        across cuts; inputs [n, H, ...] in the recurrence's order; returns [n, H, V]."""
         ext = self._ext()
         root_states = None
         if ext is not None and self.layout.root_state_source:
             root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
-        out, states = tree_gated_delta_rule(
-            q, k, v, g, beta, self.layout.linear_plan, root_states=root_states,
+        out, states = tree_recurrence(
+            recurrence, inputs, self.layout.linear_plan, scale=scale, root_states=root_states,
             recompute=self.recompute_linear,
         )  # fmt: skip
         for local, glob in self.layout.export_nodes:

@@ -1,0 +1,105 @@
+"""``qwen3_5`` and ``qwen3_5_moe`` text causal LMs: Gated DeltaNet with separate q|k|v, z, b, a
+projections and grouped value heads; gated attention with partial (M)RoPE and zero-centred q/k
+norms; a dense MLP (``qwen3_5``) or a softmax-routed MoE with a gated shared expert trained with the
+Switch load-balancing loss (``qwen3_5_moe``).
+
+``qwen3_5_moe``'s adapter is written but not registered (see the note at the end). Only the text
+models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; config types
+``qwen3_5_text`` / ``qwen3_5_moe_text``) run. The multimodal ``*ForConditionalGeneration`` wrappers
+(types ``qwen3_5`` / ``qwen3_5_moe``) are refused: their 3-axis MRoPE positions of image and video
+tokens are not path positions. For text tokens the three MRoPE axes carry the same position, so
+the rotary tables at path positions are exactly the stock ones.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require, unknown_layer
+from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projections
+
+__all__ = ["Qwen3_5Adapter", "Qwen3_5MoeAdapter"]
+
+_GDN_ATTRIBUTES = (
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "activation", "A_log", "dt_bias",
+    "norm", "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
+)  # fmt: skip
+_ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
+_LAYER_ATTRIBUTES = ("mlp", "input_layernorm", "post_attention_layernorm")
+
+
+class Qwen3_5Adapter(FamilyAdapter):
+    model_types = ("qwen3_5",)
+    config_aliases = {"qwen3_5_text": "qwen3_5"}
+    family = "qwen3_5"
+
+    def check_config(self, config) -> None:
+        if hasattr(config, "text_config"):
+            raise ValueError(
+                f"{self.family}: the multimodal {self.family} model (config type {config.model_type!r}) is "
+                f"not supported; harts runs the text causal LM: load it with AutoModelForCausalLM from "
+                f"the checkpoint's text_config ({config.model_type}_text)"
+            )
+        heads_k, heads_v = config.linear_num_key_heads, config.linear_num_value_heads
+        if heads_v % heads_k:
+            raise ValueError(
+                f"{self.family}: linear_num_value_heads={heads_v} is not a multiple of "
+                f"linear_num_key_heads={heads_k}"
+            )
+
+    def check_model(self, model):
+        backbone = self.backbone(model)
+        require(self.family, backbone, "embed_tokens", "layers", "norm", "rotary_emb")
+        for layer, layer_type in zip(backbone.layers, model.config.layer_types, strict=False):
+            require(self.family, layer, *_LAYER_ATTRIBUTES)
+            if layer_type == "linear_attention":
+                require(self.family, layer, "linear_attn")
+                require(self.family, layer.linear_attn, *_GDN_ATTRIBUTES)
+            elif layer_type == "full_attention":
+                require(self.family, layer, "self_attn")
+                require(self.family, layer.self_attn, *_ATTENTION_ATTRIBUTES)
+
+    def mixer(self, layer, layer_type):
+        if layer_type == "full_attention":
+            return layer.self_attn, partial(gqa_attention, output_gate=True)
+        if layer_type == "linear_attention":
+            return layer.linear_attn, partial(gdn_mixer, projections=qwen3_5_gdn_projections)
+        raise unknown_layer(self.family, layer_type)
+
+    def _fields(self):
+        return dict(
+            TINY_COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [2, 1, 1]},
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        )  # fmt: skip
+
+    def tiny_config(self, model_type, **overrides):
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**{**self._fields(), "intermediate_size": 96, **overrides})
+
+
+class Qwen3_5MoeAdapter(Qwen3_5Adapter):
+    model_types = ("qwen3_5_moe",)
+    config_aliases = {"qwen3_5_moe_text": "qwen3_5_moe"}
+    family = "qwen3_5_moe"
+    router_class = "Qwen3_5MoeTopKRouter"
+    moe_balancing = MoEBalancing.AUX_LOSS
+
+    def tiny_config(self, model_type, **overrides):
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        fields = dict(
+            self._fields(), moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2,
+        )  # fmt: skip
+        return Qwen3_5MoeTextConfig(**{**fields, **overrides})
+
+
+register(Qwen3_5Adapter())
+# Qwen3_5MoeAdapter is not registered yet: on its tiny model, the fp32 gradient of layer 0's A_log
+# under a cut forest (budget 2) and under no budget differ by 1.3e-4 relative (each within 1e-4 of
+# the fp64 value), above the split-invariance bound; until that is settled qwen3_5_moe is refused.

@@ -1,0 +1,149 @@
+"""Full-attention and MoE families beyond the parametrised suite: what ``ALL_FAMILIES`` does not show.
+
+- Sliding windows are live: each windowed tiny model differs from the same weights without the
+  window on a path longer than it, so the equivalence tests (stock vs tree) check the window.
+- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss);
+  the load-balancing loss and its gradient equal the stock fp64 flat batch's (qwen3_moe, gpt_oss).
+- Refusals before compute: gemma3 attention-logit soft-capping and bidirectional attention; a
+  module the adapter relies on missing from the loaded model (a renamed transformers attribute).
+
+The families themselves (logits, gradients, budgets, cut trees) are in ``harts.testing.ALL_FAMILIES``,
+so the parametrised equivalence and split tests cover them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harts
+from harts.adapters.base import adapter_for, supported_families
+from harts.runtime.routers import RouterRecorder
+from harts.testing import tiny_model
+from harts.train.moe import moe_stats
+from tests.reference import (
+    GRAD_RTOL,
+    cached_model,
+    exact_linear_kernels,
+    fp64_copy,
+    grad_relative_errors,
+    param_grads,
+)
+from tests.test_equivalence import EDGE
+from tests.test_moe_stats import FORESTS, loop_counts, padded_batch
+
+
+def _needs(family):
+    return pytest.mark.skipif(family not in supported_families(), reason=f"transformers lacks {family}")
+
+
+WINDOWED = {"qwen2": {"use_sliding_window": False}, "mistral": {"sliding_window": None},
+            "olmo3": {"sliding_window": 10**6}, "gemma3_text": {"sliding_window": 10**6},
+            "gpt_oss": {"sliding_window": 10**6}}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_windows_are_live(family):
+    """Tree logits equal the windowed stock model's, and differ from the unwindowed one's."""
+    if family not in supported_families():
+        pytest.skip(f"transformers lacks {family}")
+    trajs = EDGE["long-branch-T130"]
+    windowed = cached_model(family, seed=7)
+    plain = tiny_model(family, seed=7, **WINDOWED[family])
+    plain.load_state_dict(windowed.state_dict())
+    with torch.no_grad():
+        out = harts.forward(windowed, harts.build_forest(trajs))
+        for i, t in enumerate(trajs):
+            ids = torch.tensor([t])
+            tree = out.trajectory_logits(i)
+            assert (tree - windowed(input_ids=ids).logits[0]).abs().max() <= 1e-4
+            assert (tree - plain(input_ids=ids).logits[0]).abs().max() > 1e-2
+
+
+MOE = ["qwen3_moe", "glm4_moe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_expert_counts_equal_each_trajectory_alone(family):
+    if family not in supported_families():
+        pytest.skip(f"transformers lacks {family}")
+    model, trajs = cached_model(family, seed=7), FORESTS["nested-branches-2roots"]
+    forest = harts.build_forest(trajs)
+    if adapter_for(model).router_class is None:  # glm4_moe, deepseek_v3 before routers chose experts
+        with pytest.raises(ValueError, match="MoE statistics need an MoE family"):
+            RouterRecorder(model)
+        return
+    with torch.no_grad():
+        with RouterRecorder(model) as rec:
+            harts.forward(model, forest)
+        tree = moe_stats(rec, forest)
+        alone = [[0] * rec.num_experts for _ in rec.layers]
+        for t in trajs:
+            with RouterRecorder(model) as one:
+                model(input_ids=torch.tensor([t]))
+            for layer, row in enumerate(loop_counts(one.indices, [True] * len(t), one.num_experts)):
+                alone[layer] = [a + b for a, b in zip(alone[layer], row, strict=True)]
+    assert tree.expert_counts.tolist() == alone
+    assert (tree.aux_loss is not None) == (family in ("qwen3_moe", "gpt_oss"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_aux_loss_and_gradient_equal_stock_flat_batch(family):
+    if family not in supported_families():
+        pytest.skip(f"transformers lacks {family}")
+    model, trajs = cached_model(family, seed=7), FORESTS["star-dups-P8-G6"]
+    forest = harts.build_forest(trajs)
+    ids, mask = padded_batch(trajs)
+    model.zero_grad(set_to_none=True)
+    with RouterRecorder(model) as rec:
+        harts.forward(model, forest)
+    aux = moe_stats(rec, forest).aux_loss
+    aux.backward()
+    got = param_grads(model)
+    model64 = fp64_copy(model)
+    model64.zero_grad(set_to_none=True)
+    with exact_linear_kernels(model64):
+        out64 = model64(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    out64.aux_loss.backward()
+    ref = param_grads(model64)
+    ref_aux = float(out64.aux_loss.detach())
+    err = abs(float(aux.detach()) - ref_aux) / abs(ref_aux)
+    assert err <= 1e-5, f"aux loss: relative error {err:.2e}"
+    errors = grad_relative_errors(got, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.2e}"
+    routers = [n for n in ref if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+    assert routers and all(ref[n].norm() > 1e-4 for n in routers)
+
+
+TRAJS = [[3, 4, 5, 6], [3, 4, 7]]
+
+
+def _refused(model, match):
+    with pytest.raises(ValueError, match=match):
+        harts.forward(model, harts.build_forest(TRAJS))
+
+
+@_needs("gemma3_text")
+def test_gemma3_options_without_a_tree_form_are_refused():
+    _refused(tiny_model("gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0")
+    _refused(tiny_model("gemma3_text", final_logit_softcapping=30.0), "final_logit_softcapping")
+    _refused(tiny_model("gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention")
+
+
+@pytest.mark.parametrize(("family", "piece"), [("olmo3", "q_norm"), ("gpt_oss", "sinks"),
+                                               ("gemma3_text", "pre_feedforward_layernorm")])
+def test_missing_module_names_the_family(family, piece):
+    """A transformers version that renamed what an adapter reads fails loudly, naming both."""
+    if family not in supported_families():
+        pytest.skip(f"transformers lacks {family}")
+    model = tiny_model(family)
+    layer = model.model.layers[0]
+    owner = layer if hasattr(layer, piece) else layer.self_attn
+    delattr(owner, piece)
+    _refused(model, f"{family}: .* has no {piece}")
+
+
+def test_families_without_windows_still_refuse_them():
+    _refused(tiny_model("llama", sliding_window=4, use_sliding_window=True,
+                        layer_types=["sliding_attention"] * 3), "sliding-window attention is not supported")

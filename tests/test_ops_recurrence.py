@@ -1,0 +1,174 @@
+"""The recurrent-mixer contract: each recurrence's chunked op against its fp64 per-token reference,
+and the tree form of any recurrence against the reference on every trajectory alone.
+
+Chunked op: outputs, final states and states at inner offsets, for varlen right-padded batches with
+initial states, per-channel and per-head (expanded) decays, strong decays (no overflow), several
+chunk sizes; gradients of every input and of the initial state under a random linear functional
+of outputs and states. Tolerances as the delta-rule op tests: max abs 1e-5 on values, relative
+1e-5 on gradients (fp32 against fp64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harts
+from harts.ops.gated_linear_attention import (
+    chunked_gated_linear_attention,
+    naive_recurrent_gated_linear_attention,
+)
+from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
+from harts.ops.tree_delta_rule import tree_gated_delta_rule, tree_recurrence
+from harts.plan.waves import plan_linear
+from tests.test_plans import SHAPES, _path_tokens, _root_of
+
+ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def gla_inputs(B, T, H, K, V, gate, seed=0):
+    """q, k unit-norm (lightning attention's silu(q) has no norm: scale 0.5 keeps the state O(1)),
+    v ~ N(0, 1), g per channel ('channel'), one per head expanded over K ('head'), or -U(0, 20)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    if gate == "channel":
+        g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2.0)
+    elif gate == "head":
+        g = F.logsigmoid(torch.randn(B, T, H, 1, generator=gen) + 3.0).expand(B, T, H, K).contiguous()
+    else:
+        g = -torch.rand(B, T, H, K, generator=gen) * 20.0
+    s0 = torch.randn(B, H, K, V, generator=gen)
+    return [q, k, v, g, s0]
+
+
+CASES = [  # (B, T, H, K, V, chunk, gate)
+    (2, 37, 2, 8, 5, 16, "channel"),
+    (3, 70, 2, 16, 8, 64, "head"),
+    (2, 50, 1, 8, 1, 8, "strong20"),  # Mamba's selective-scan shape: V = 1
+]
+
+
+def _case_id(c):
+    return f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-V{c[4]}-C{c[5]}-{c[6]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_chunked_gla_equals_reference_varlen_with_states(case):
+    B, T, H, K, V, C, gate = case
+    xs = gla_inputs(B, T, H, K, V, gate, seed=T)
+    lengths = torch.tensor([T] + [max(0, T - 7 * b - 3) for b in range(1, B)])
+    at = torch.stack([torch.tensor([0, 1, C, min(C + 3, T), T]) for _ in range(B)])
+    q, k, v, g, s0 = (x.clone().requires_grad_() for x in xs)
+    o, S, states = chunked_gated_linear_attention(
+        q, k, v, g, s0, lengths=lengths, chunk_size=C, scale=0.5, output_states_at=at
+    )
+    gen = torch.Generator().manual_seed(1)
+    wo, wS, wst = (torch.randn(x.shape, generator=gen) for x in (o, S, states))
+    ((o * wo).sum() + (S * wS).sum() + (states * wst).sum()).backward()
+    for b in range(B):
+        L = int(lengths[b])
+        ref = [x[b : b + 1, :L].double().requires_grad_() for x in xs[:4]]
+        r0 = xs[4][b : b + 1].double().requires_grad_()
+        on, Sn = naive_recurrent_gated_linear_attention(*ref, initial_state=r0, scale=0.5)
+        assert (o[b, :L].double() - on[0]).abs().max() <= ATOL
+        assert (o[b, L:] == 0).all()
+        assert (S[b].double() - Sn[0]).abs().max() <= ATOL
+        loss = (on[0] * wo[b, :L].double()).sum() + (Sn[0] * wS[b].double()).sum()
+        for i, p in enumerate(at[b].tolist()):
+            p = min(p, L)  # the state is frozen past the true length
+            _, Sp = naive_recurrent_gated_linear_attention(*(x[:, :p] for x in ref), initial_state=r0)
+            assert (states[b, i].double() - Sp[0]).abs().max() <= ATOL, f"segment {b}, state after {p}"
+            loss = loss + (Sp[0] * wst[b, i].double()).sum()
+        loss.backward()
+        for name, got, want in zip("qkvg", (q, k, v, g), ref, strict=True):
+            if L:
+                assert rel(got.grad[b, :L], want.grad[0]) <= GRAD_RTOL, f"segment {b} grad {name}"
+            assert (got.grad[b, L:] == 0).all()
+        assert rel(s0.grad[b], r0.grad[0]) <= GRAD_RTOL, f"segment {b} grad of the initial state"
+
+
+def test_gla_is_not_the_delta_rule_without_beta():
+    """The delta-rule op with beta = 0 drops k v^T too: the two recurrences differ."""
+    q, k, v, g, s0 = gla_inputs(1, 9, 1, 4, 3, "channel")
+    o_gla, _ = naive_recurrent_gated_linear_attention(q, k, v, g, s0, scale=1.0)
+    o_dr, _ = DELTA_RULE.reference(q, k, v, g, torch.zeros(1, 9, 1), s0, scale=1.0)
+    assert (o_gla - o_dr).abs().max() > 1e-2
+
+
+# ---- the contract over a forest ------------------------------------------------------------------
+def _inputs_for(recurrence, n, h, dk, dv):
+    q = F.normalize(torch.randn(n, h, dk), dim=-1)
+    k = F.normalize(torch.randn(n, h, dk), dim=-1)
+    v = torch.randn(n, h, dv)
+    g = -torch.rand(n, h, dk) * 2
+    extra = (torch.rand(n, h),) if recurrence is DELTA_RULE else ()
+    return tuple(x.requires_grad_() for x in (q, k, v, g, *extra))
+
+
+@pytest.mark.parametrize("mode", ["depth", "chain"])
+@pytest.mark.parametrize("name", ["caterpillar-D8", "short-parents-K4", "roots-3"])
+def test_tree_gla_equals_each_trajectory_alone(name, mode):
+    torch.manual_seed(0)
+    forest = harts.build_forest(SHAPES[name])
+    plan = plan_linear(forest, mode)
+    h, dk, dv = 2, 8, 4
+    inputs = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, h, dk, dv)
+    roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
+    root_states = {r: (0.3 * torch.randn(h, dk, dv)).requires_grad_() for r in roots}
+    leaves = (*inputs, *root_states.values())
+    out, states = tree_recurrence(GATED_LINEAR_ATTENTION, inputs, plan, root_states=root_states)
+    assert set(states) == set(range(forest.num_nodes))
+    w_out = torch.randn_like(out)
+    w_state = torch.randn(forest.num_nodes, h, dk, dv)
+    loss = (out * w_out).sum() + sum((states[m] * w_state[m]).sum() for m in states)
+    got = torch.autograd.grad(loss, leaves)
+
+    def naive(idx, root):
+        rows = (x[idx][None] for x in inputs)
+        return GATED_LINEAR_ATTENTION.reference(*rows, initial_state=root_states[root][None])
+
+    ref_loss = 0.0
+    for i in range(forest.num_trajectories):
+        idx = forest.trajectory_token_indices(i)
+        ref, _ = naive(idx, _root_of(forest, int(forest.trajectory_end_node[i])))
+        assert (out[idx].double() - ref[0]).abs().max() <= ATOL
+        mult = forest.token_multiplicity[idx][:, None, None]
+        ref_loss = ref_loss + (ref[0] * w_out[idx].double() / mult).sum()
+    for m in range(forest.num_nodes):
+        _, ref_state = naive(_path_tokens(forest, m), _root_of(forest, m))
+        assert (states[m].double() - ref_state[0]).abs().max() <= ATOL
+        ref_loss = ref_loss + (ref_state[0] * w_state[m].double()).sum()
+    want = torch.autograd.grad(ref_loss, leaves)
+    for got_, want_ in zip(got, want, strict=True):
+        assert rel(got_, want_) <= GRAD_RTOL
+
+
+def test_delta_rule_through_the_contract_is_the_delta_rule():
+    """tree_gated_delta_rule is tree_recurrence(DELTA_RULE): same values, bit for bit."""
+    torch.manual_seed(1)
+    forest = harts.build_forest(SHAPES["short-parents-K4"])
+    plan = plan_linear(forest, "chain")
+    inputs = _inputs_for(DELTA_RULE, forest.num_tokens, 2, 8, 4)
+    a, sa = tree_gated_delta_rule(*inputs, plan)
+    b, sb = tree_recurrence(DELTA_RULE, inputs, plan)
+    assert torch.equal(a, b) and all(torch.equal(sa[m], sb[m]) for m in sa)
+
+
+def test_contract_refuses_bad_inputs():
+    forest = harts.build_forest(SHAPES["roots-3"])
+    plan = plan_linear(forest, "depth")
+    q, k, v, g = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, 2, 8, 4)
+    with pytest.raises(ValueError, match="takes 4 inputs"):
+        tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v), plan)
+    with pytest.raises(ValueError, match="input 'g' must be"):
+        tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[:, :1]), plan)
+    with pytest.raises(ValueError, match="the plan covers"):
+        tree_recurrence(GATED_LINEAR_ATTENTION, (q[:3], k[:3], v[:3], g[:3]), plan)
