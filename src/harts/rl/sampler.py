@@ -126,6 +126,9 @@ def sample_tree(
                          f"{task.turns} turns: give one per turn")  # fmt: skip
     if not episodes:
         raise ValueError("no episodes to sample")
+    family = getattr(model.config, "model_type", None)
+    if family in CACHE_NOT_EXACT:
+        raise ValueError(f"harts rl cannot sample {family}: {CACHE_NOT_EXACT[family]}")
     vocab = model.config.vocab_size
     if vocab != task.vocab_size:
         raise ValueError(f"the model's vocab_size is {vocab}, the task's vocabulary has {task.vocab_size} "
@@ -145,7 +148,7 @@ def sample_tree(
         for turn, branches in enumerate(config.branching):
             if branches > 1:
                 index = torch.arange(seq.shape[0], device=device).repeat_interleave(branches)
-                cache.reorder_cache(index)
+                _branch(cache, index)
                 last, seq, episode = last[index], seq[index], episode[index]
                 logp, mask = logp[index], mask[index]
                 answers = [list(answers[i]) for i in index.tolist()]
@@ -178,3 +181,21 @@ def sample_tree(
         ))  # fmt: skip
         rewards.append(reward)
     return TreeSample(rollouts, torch.tensor(rewards, dtype=torch.float64), episode.cpu(), tokens, calls)
+
+
+# Families whose stock cached decoding does not give the log-probs of a full forward, measured by
+# tests/test_rl.py's check: sampling through their cache would record wrong behaviour log-probs.
+CACHE_NOT_EXACT = {
+    "minimax": "transformers' MiniMax cache, extended by several tokens at once, gives log-probs up to "
+               "0.19 off a full forward of the same tokens",
+}
+
+
+def _branch(cache, index: torch.Tensor) -> None:
+    """Repeat the cache's rows by ``index``. A cache class that keeps state outside its layers
+    reorders it in its own ``batch_select_indices`` (MiniMax's lightning-attention states), which
+    ``reorder_cache`` would leave as they are; the others reorder every layer in ``reorder_cache``."""
+    if "batch_select_indices" in type(cache).__dict__:
+        cache.batch_select_indices(index)
+    else:
+        cache.reorder_cache(index)
