@@ -30,7 +30,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from harts.bench.cases import FLAT_VARIANTS, SHAPES, STEPS, BenchConfig, build_case, variant_fns
+from harts.bench.cases import (
+    DEFAULT_FAMILIES,
+    FLAT_VARIANTS,
+    SHAPES,
+    STEPS,
+    BenchConfig,
+    build_case,
+    variant_fns,
+)
 from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
 from harts.plan.waves import PlanMode
 from harts.runtime.config import RunConfig
@@ -191,7 +199,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
     p = argparse.ArgumentParser(prog="harts bench", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), choices=FAMILIES)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median reported)")
     p.add_argument("--scale", type=float, default=0.02, help="length factor on the full-size shapes")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
