@@ -127,8 +127,9 @@ def sample_tree(
     if not episodes:
         raise ValueError("no episodes to sample")
     family = getattr(model.config, "model_type", None)
-    if family in CACHE_NOT_EXACT:
-        raise ValueError(f"harts rl cannot sample {family}: {CACHE_NOT_EXACT[family]}")
+    why = cache_not_exact(family)
+    if why is not None:
+        raise ValueError(f"harts rl cannot sample {family}: {why}")
     vocab = model.config.vocab_size
     if vocab != task.vocab_size:
         raise ValueError(f"the model's vocab_size is {vocab}, the task's vocabulary has {task.vocab_size} "
@@ -189,6 +190,23 @@ CACHE_NOT_EXACT = {
     "minimax": "transformers' MiniMax cache, extended by several tokens at once, gives log-probs up to "
                "0.19 off a full forward of the same tokens",
 }
+# Families whose cached decoding is exact from a transformers version on (the oldest one measured
+# exact; earlier ones measured wrong or not measured).
+CACHE_EXACT_FROM = {"lfm2": "5.24.0"}  # 5.10.4: 0.20 off after a branch point
+
+
+def cache_not_exact(family: str | None) -> str | None:
+    """Why sampling ``family`` through its stock cache would record wrong log-probs, or None."""
+    if family in CACHE_NOT_EXACT:
+        return CACHE_NOT_EXACT[family]
+    if family in CACHE_EXACT_FROM:
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__) < Version(CACHE_EXACT_FROM[family]):
+            return (f"its cache in transformers {transformers.__version__} does not give the log-probs of a "
+                    f"full forward after a branch point (exact from {CACHE_EXACT_FROM[family]})")
+    return None
 
 
 def _branch(cache, index: torch.Tensor) -> None:
