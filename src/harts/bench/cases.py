@@ -62,6 +62,8 @@ _SMALL_EXTRA = {
     "glm4_moe": dict(moe_intermediate_size=64, head_dim=32),
     "qwen2": dict(), "mistral": dict(head_dim=32), "olmo3": dict(),
     "gemma3_text": dict(head_dim=32), "gpt_oss": dict(head_dim=32),
+    "qwen3_5": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+    "lfm2": dict(), "minimax": dict(head_dim=32),
 }
 
 
@@ -157,7 +159,7 @@ def stock_step(model: nn.Module, trajectories: list[list[int]], device: torch.de
 
 # ---- cases ---------------------------------------------------------------------------------------
 def make_model(family: str, cfg: BenchConfig) -> nn.Module:
-    overrides = {} if cfg.model_size == "tiny" else {**_SMALL, **_SMALL_EXTRA[family]}
+    overrides = {} if cfg.model_size == "tiny" else {**_SMALL, **_SMALL_EXTRA.get(family, {})}
     return tiny_model(family, seed=cfg.seed, **overrides).to(cfg.device)
 
 

@@ -107,6 +107,8 @@ def _linear_state_flops(mixer: nn.Module) -> int:
         heads, k, v = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     elif hasattr(mixer, "num_heads") and hasattr(mixer, "head_dim"):
         heads, k, v = mixer.num_heads, mixer.head_dim, mixer.head_dim
+    elif hasattr(mixer, "num_attention_heads") and hasattr(mixer, "head_dim"):  # lightning attention
+        heads, k, v = mixer.num_attention_heads, mixer.head_dim, mixer.head_dim
     else:
         raise ValueError(f"cannot read linear-attention state sizes from {type(mixer).__name__}")
     return 2 * 3 * int(heads) * int(k) * int(v)
@@ -132,11 +134,14 @@ def flop_model(model: nn.Module) -> FlopModel:
     n_full = n_linear = 0
     for i, layer in enumerate(layers):
         dense += 2 * _active_matmul_weights(layer, top_k)
-        mixer = getattr(layer, "linear_attn", None) or layer.self_attn
-        if adapter.layer_type(model, i) == "linear_attention":
+        layer_type = adapter.layer_type(model, i)
+        mixer = adapter.mixer(layer, layer_type)[0]
+        if layer_type == "linear_attention":
             state += _linear_state_flops(mixer)
             n_linear += 1
-        else:
+        elif layer_type == "conv":  # a short convolution: its projections are per-token work above
+            continue
+        else:  # full or sliding-window attention (a window's keys counted as the whole path's)
             attn += _attention_key_flops(mixer, config)
             n_full += 1
     return FlopModel(dense, state, attn, n_full, n_linear)
