@@ -30,7 +30,8 @@ from harts.rl.loop import step_randomness
 from harts.rl.sampler import cache_not_exact
 from harts.rl.task import Episode, decode, encode
 from harts.testing import FAMILIES, tiny_model
-from tests.train_helpers import one_thread, toml_value  # noqa: F401 (autouse: one thread)
+from tests.train_helpers import one_thread  # noqa: F401 (autouse: one thread)
+from tests.train_helpers import write_config as write_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # the loop tests want a fast sampler: Gated DeltaNet's reference chunk kernel is quick on the CPU
@@ -40,26 +41,20 @@ METRIC_KEYS = {"step", "reward", "loss", "grad_norm", "tokens", "unique_tokens",
                "layout"}  # fmt: skip
 
 
+RL_TABLES = {
+    "model": {"tiny": FAMILY},
+    "task": {"turns": 2, "max_addend": 9},
+    "sampling": {"prompts_per_step": 3, "branching": [2, 2], "temperature": 1.0},
+    "objective": {"kind": "ppo", "advantage": "grpo"},
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
+    "checkpoint": {"every": 0, "keep_last": 1},
+    "logging": {"plot": False},
+}
+
+
 def write_config(path: Path, top: dict | None = None, **sections: dict) -> Path:
     """A small, fast ``harts rl`` config; keyword sections update the defaults."""
-    top = {"seed": 0, "steps": 2, "threads": 1, **(top or {})}
-    tables = {
-        "model": {"tiny": FAMILY},
-        "task": {"turns": 2, "max_addend": 9},
-        "sampling": {"prompts_per_step": 3, "branching": [2, 2], "temperature": 1.0},
-        "objective": {"kind": "ppo", "advantage": "grpo"},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
-        "checkpoint": {"every": 0, "keep_last": 1},
-        "logging": {"plot": False},
-    }
-    for name, table in sections.items():
-        tables[name] = {**tables.get(name, {}), **table}
-    lines = [f"{k} = {toml_value(v)}" for k, v in top.items() if v is not None]
-    for name, table in tables.items():
-        lines.append(f"\n[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_train_config(path, {"steps": 2, **(top or {})}, RL_TABLES, **sections)
 
 
 # ---- the task --------------------------------------------------------------------------------------

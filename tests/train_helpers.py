@@ -41,15 +41,19 @@ def toml_value(value) -> str:
     return repr(value)
 
 
-def write_config(path: Path, top: dict | None = None, **sections: dict) -> Path:
-    """A config file: ``top`` keys, then ``[section]`` tables; defaults give a short SFT run."""
+TRAIN_TABLES = {
+    "model": {"tiny": FAMILY},
+    "data": {"path": str(EXAMPLE_ROLLOUTS), "rollouts_per_step": 8},
+    "objective": {"kind": "sft"},
+    "logging": {"plot": False},
+}
+
+
+def write_config(path: Path, top: dict | None = None, tables: dict | None = None, **sections: dict) -> Path:
+    """A config file: ``top`` keys, then ``[section]`` tables: ``tables`` (default: a short SFT
+    ``harts train`` run) updated by the keyword sections."""
     top = {"seed": 0, "steps": 3, "threads": 1, **(top or {})}
-    tables = {
-        "model": {"tiny": FAMILY},
-        "data": {"path": str(EXAMPLE_ROLLOUTS), "rollouts_per_step": 8},
-        "objective": {"kind": "sft"},
-        "logging": {"plot": False},
-    }
+    tables = {name: dict(table) for name, table in (tables or TRAIN_TABLES).items()}
     for name, table in sections.items():
         tables[name] = {**tables.get(name, {}), **table}
     lines = [f"{k} = {toml_value(v)}" for k, v in top.items() if v is not None]

@@ -22,7 +22,6 @@ or balancing in this loop).
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -38,6 +37,7 @@ from harts.trainer.config import (
     OptimizerConfig,
     RunSection,
     ScheduleConfig,
+    read_toml_config,
 )
 from harts.trainer.config import _build as build_section
 
@@ -181,14 +181,4 @@ def parse_rl_config(table: dict, base: Path, source: Path | None = None, text: s
 
 def load_rl_config(path: str | Path) -> RLConfig:
     """Read and check a ``harts rl`` TOML file; every error names the file and the key."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such config file") from None
-    try:
-        return parse_rl_config(tomllib.loads(text), path.parent.resolve(), source=path.resolve(), text=text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML ({exc})") from None
-    except ValueError as exc:
-        raise type(exc)(f"{path}: {exc}") from None
+    return read_toml_config(path, parse_rl_config)

@@ -25,7 +25,6 @@ for KL, MoE statistics and balancing, evaluation on held-out episodes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -48,7 +47,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.step import StepResult
 from harts.testing import tiny_model
 from harts.train.step import rollout_step, step_inputs
-from harts.trainer.checkpoint import latest, list_checkpoints, prune, write_checkpoint
+from harts.trainer.checkpoint import latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
 from harts.trainer.loop import TrainingDiverged
@@ -91,22 +90,6 @@ def rl_step(
     result = rollout_step(model, scored, loss, share_prefixes=Layout(layout) is Layout.TREE,
                           normalizers=normalizers, run=run)  # fmt: skip
     return result, forest
-
-
-@contextlib.contextmanager
-def _run_lock(out: Path):
-    """One run per output directory: an exclusive lock the OS drops when the process dies."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock
-        yield
-        return
-    with (out / ".lock").open("w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"{out} is in use by another run") from None
-        yield
 
 
 def _duration(seconds: float) -> str:
@@ -270,7 +253,7 @@ def run_rl(config: RLConfig, out: str | Path, resume: bool = False, log: TextIO 
         torch.set_num_threads(config.threads)
     run = _Run(config, out, sys.stderr if log is None else log)
     try:
-        with _run_lock(out):
+        with run_lock(out, "harts rl"):
             return _loop(run, resume)
     finally:
         torch.set_num_threads(threads)

@@ -15,6 +15,7 @@ they are deleted, so a kill during the deletion leaves no half-deleted ``step-*`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 __all__ = [
     "Checkpoint", "CheckpointError", "list_checkpoints", "write_checkpoint", "verify", "latest", "prune",
+    "run_lock",
 ]  # fmt: skip
 
 MANIFEST = "manifest.json"
@@ -194,3 +196,19 @@ def prune(root: Path, keep_last: int) -> list[Checkpoint]:
     for checkpoint in doomed:
         _remove(checkpoint.path, root)
     return doomed
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, command: str):
+    """One run per output directory: an exclusive lock the OS drops when the process dies."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield
+        return
+    with (out / ".lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{out} is in use by another {command}") from None
+        yield

@@ -440,19 +440,28 @@ def check_paths(config: TrainConfig) -> None:
         )
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """Read and check a ``harts train`` TOML file; every error names the file and the key."""
+def read_toml_config(path: str | Path, parse):
+    """``parse(table, base, source=, text=)`` of the TOML file ``path`` (relative paths in it are
+    relative to its folder); every error names the file."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such config file") from None
     try:
-        table = tomllib.loads(text)
-        config = parse_config(table, path.parent.resolve(), source=path.resolve(), text=text)
-        check_paths(config)
+        return parse(tomllib.loads(text), path.parent.resolve(), source=path.resolve(), text=text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML ({exc})") from None
     except (ValueError, FileNotFoundError) as exc:
         raise type(exc)(f"{path}: {exc}") from None
-    return config
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read and check a ``harts train`` TOML file; every error names the file and the key."""
+
+    def parse(table, base, **where) -> TrainConfig:
+        config = parse_config(table, base, **where)
+        check_paths(config)
+        return config
+
+    return read_toml_config(path, parse)

@@ -39,7 +39,7 @@ from harts.runtime.routers import find_routers
 from harts.runtime.step import StepResult
 from harts.train.moe import resolve_aux_coef
 from harts.train.step import forest_step, step_inputs
-from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, write_checkpoint
+from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.distributed import (
     STATE_DIR,
@@ -234,22 +234,6 @@ def _flatten(table: dict, prefix: str = "") -> dict:
     return out
 
 
-@contextlib.contextmanager
-def _run_lock(out: Path):
-    """One run per output directory: an exclusive lock the OS drops when the process dies."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock
-        yield
-        return
-    with (out / ".lock").open("w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"{out} is in use by another harts train") from None
-        yield
-
-
 class _Run:
     """The state of one ``train`` call (model, optimizers, position), with its save and restore."""
 
@@ -438,7 +422,7 @@ def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextI
         torch.set_num_threads(config.threads)
     run = _Run(config, out, sys.stderr if log is None else log)
     try:
-        with _run_lock(out) if run.main else contextlib.nullcontext():
+        with run_lock(out, "harts train") if run.main else contextlib.nullcontext():
             return _loop(run, resume)
     finally:
         torch.set_num_threads(threads)
