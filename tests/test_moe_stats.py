@@ -22,6 +22,7 @@ import torch
 
 import harts
 from harts import LossKind, MoEConfig, PolicyLossConfig, Rollout, RouterRecorder, moe_stats, rollout_step
+from harts.adapters import supported_families
 from harts.objectives import bias_update, load_balancing_loss
 from harts.testing import tiny_model
 from tests.reference import (
@@ -124,9 +125,17 @@ def test_expert_counts_equal_flat_batch(family, shape):
     assert (tree.aux_loss is not None) == (family == "qwen3_next")
 
 
-@pytest.mark.parametrize("shape", list(FORESTS))
-def test_qwen3_next_aux_loss_and_gradient_equal_stock_flat_batch(shape):
-    model, trajs = model_of("qwen3_next"), FORESTS[shape]
+# aux-loss families: qwen3_next on every forest, the full-attention ones on one
+AUX_CASES = [("qwen3_next", shape) for shape in FORESTS] + [
+    (family, "star-dups-P8-G6") for family in ("qwen3_moe", "gpt_oss")
+]
+
+
+@pytest.mark.parametrize(("family", "shape"), AUX_CASES)
+def test_aux_loss_and_gradient_equal_stock_flat_batch(family, shape):
+    if family not in supported_families():
+        pytest.skip(f"transformers lacks {family}")
+    model, trajs = model_of(family), FORESTS[shape]
     forest = harts.build_forest(trajs)
     ids, mask = padded_batch(trajs)
 
@@ -156,7 +165,7 @@ def test_qwen3_next_aux_loss_and_gradient_equal_stock_flat_batch(shape):
     errors = grad_relative_errors(got, ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.2e}"
-    routers = [n for n in ref if n.endswith("mlp.gate.weight")]
+    routers = [n for n in ref if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
     assert routers and all(ref[n].norm() > 1e-4 for n in routers)
 
 
