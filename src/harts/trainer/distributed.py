@@ -57,6 +57,7 @@ class Ranks:
     world_size: int
     strategy: str  # "ddp" or "fsdp"
     balance: str  # "cost" or "tokens"
+    cost: RankCost = RankCost()  # the model's FLOP weights (rank_cost), set once the model is loaded
 
     @property
     def main(self) -> bool:
@@ -121,11 +122,11 @@ def rank_cost(model: nn.Module) -> RankCost:
 
 
 def local_rollouts(
-    rollouts: list[Rollout], rows: LossRows, forest, ranks: Ranks, cost: RankCost
+    rollouts: list[Rollout], rows: LossRows, forest, ranks: Ranks
 ) -> tuple[list[Rollout], TreeAssignment]:
     """This rank's trees' rollouts, with the advantages of ``rows`` (estimated on the whole step)
     written into each rollout, so the rank's own rows carry the step's values."""
-    assignment = assign_trees(forest, ranks.world_size, cost if ranks.balance == "cost" else None)
+    assignment = assign_trees(forest, ranks.world_size, ranks.cost if ranks.balance == "cost" else None)
     mine = assignment.trajectories[ranks.rank]
     local = []
     trajectory = rows.trajectory.cpu().numpy()

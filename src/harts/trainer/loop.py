@@ -16,6 +16,7 @@ same machine with the same ``threads`` (floating-point reductions depend on the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -153,20 +154,8 @@ def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig
                          f"them from rewards")  # fmt: skip
     if ranks is None:
         return forest, rows, forest, rows
-    local, _ = local_rollouts(rollouts, rows, forest, ranks, ranks_cost(model))
+    local, _ = local_rollouts(rollouts, rows, forest, ranks)
     return (forest, rows, *step_inputs(model, local))
-
-
-_COSTS: dict[int, object] = {}
-
-
-def ranks_cost(model: torch.nn.Module):
-    """The FLOP weights of ``model`` (computed once per model)."""
-    from harts.runtime.distributed import unwrap_data_parallel
-
-    if id(model) not in _COSTS:
-        _COSTS[id(model)] = rank_cost(unwrap_data_parallel(model))
-    return _COSTS[id(model)]
 
 
 def _check_param_names(saved: dict, now: dict) -> None:
@@ -274,6 +263,7 @@ class _Run:
         frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
         self.wrapped = self.model
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
+            self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks, config.optimizer.kind)
         self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, self.total)
         # which parameter each optimizer trains, by name: a resume must find the same
