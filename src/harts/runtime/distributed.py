@@ -38,7 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DataParallel", "data_parallel", "data_parallel_step", "unwrap_data_parallel", "warn_unwrapped"]
+__all__ = [
+    "DataParallel", "all_reduce_sum", "data_parallel", "data_parallel_step", "unwrap_data_parallel",
+    "warn_unwrapped",
+]  # fmt: skip
 
 Tensor = torch.Tensor
 
@@ -58,8 +61,19 @@ class DataParallel:
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         """``t`` summed over the ranks (in place, returned)."""
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return all_reduce_sum(t, self.group)
+
+
+def all_reduce_sum(t: Tensor, group=None) -> Tensor:
+    """``t`` summed over the ranks of ``group`` (in place, returned), wherever it lives: NCCL
+    reduces CUDA tensors only, so a CPU tensor (counts, flags) goes through the current GPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    if device is None or t.device == device:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
+    on_device = t.to(device)
+    dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=group)
+    return t.copy_(on_device)
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:

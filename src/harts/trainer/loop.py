@@ -36,6 +36,7 @@ from harts.objectives.losses import LossKind, PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig, bias_update
 from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
+from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
 from harts.runtime.step import StepResult
 from harts.train.moe import resolve_aux_coef
@@ -107,7 +108,7 @@ def train_step(
     if error is not None:
         raise ValueError(error)
     forest, rows, local_forest, local_rows = prepared
-    reduce = None if ranks is None else (lambda t: (torch.distributed.all_reduce(t), t)[1])
+    reduce = None if ranks is None else all_reduce_sum
     normalizers = _collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
     result = _collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
                          moe=moe)  # fmt: skip
