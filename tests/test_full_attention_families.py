@@ -2,7 +2,7 @@
 
 - Sliding windows are live: each windowed tiny model differs from the same weights without the
   window on a path longer than it, so the equivalence tests (stock vs tree) check the window.
-- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss); their
+- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss, nemotron_h); their
   load-balancing loss against the stock flat batch is in tests/test_moe_stats.py.
 - Refusals before compute: gemma3 attention-logit soft-capping and bidirectional attention; a
   module the adapter relies on missing from the loaded model (a renamed transformers attribute).
@@ -55,7 +55,7 @@ def test_sliding_windows_are_live(family):
             assert (tree - plain(input_ids=ids).logits[0]).abs().max() > 1e-2
 
 
-MOE = ["qwen3_moe", "glm4_moe", "gpt_oss"]
+MOE = ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h"]
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -54,6 +54,8 @@ def test_minimax_refuses(override, message):
         ("lfm2", "model.layers.0.conv", "in_proj"),
         ("lfm2", "model", "embedding_norm"),
         ("minimax", "model.layers.0.self_attn", "output_gate"),
+        ("nemotron_h", "model.layers.0.mixer", "dt_bias"),
+        ("nemotron_h", "model", "norm_f"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -61,6 +63,51 @@ def test_missing_module_names_family_and_piece(family, path, name):
     delattr(model.get_submodule(path), name)
     with pytest.raises(ValueError, match=f"{family}: .* has no {name}"):
         harts.forward(model, harts.build_forest(FOREST))
+
+
+def test_nemotron_h_refuses_sliding_window():
+    model = tiny_model("nemotron_h", sliding_window=8)
+    with pytest.raises(ValueError, match="nemotron_h: sliding_window=8"):
+        harts.forward(model, harts.build_forest(FOREST))
+
+
+def test_nemotron_h_time_step_floor_is_live():
+    """A floor above most softplus(dt) values clamps them, as the stock scan does (exact per trajectory),
+    and changes the logits (so the equivalence tests would see a missing clamp)."""
+    floored = tiny_model("nemotron_h", time_step_min=0.8)
+    plain = tiny_model("nemotron_h")
+    plain.load_state_dict(floored.state_dict())
+    trajectories = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 20, 21]]
+    with torch.no_grad():
+        out = harts.forward(floored, harts.build_forest(trajectories))
+        for i, t in enumerate(trajectories):
+            ids = torch.tensor([t])
+            ref = floored(input_ids=ids).logits[0]
+            assert (out.trajectory_logits(i) - ref).abs().max() <= 1e-4
+            assert (plain(input_ids=ids).logits[0] - ref).abs().max() > 1e-3
+
+
+def test_a_family_whose_stock_code_is_wrong_in_older_transformers_is_refused_there():
+    """``min_transformers``: the family is unavailable, and the error says from which version and why."""
+    from harts.adapters import FamilyUnavailable
+    from harts.adapters.base import FamilyAdapter, register
+
+    class Future(FamilyAdapter):
+        model_types = ("llama",)
+        min_transformers = {"llama": ("999.0", "its stock scan is wrong before then")}
+
+    model = tiny_model("llama")
+    base = harts.adapters.base
+    registry, unavailable = dict(base._REGISTRY), dict(base._UNAVAILABLE)
+    try:
+        register(Future())
+        assert "llama" not in harts.supported_families()
+        for refused in (lambda: adapter_for(model), lambda: adapter_for_type("llama")):
+            with pytest.raises(FamilyUnavailable, match=r"llama needs transformers >= 999.0 .*: its stock"):
+                refused()
+    finally:
+        base._REGISTRY.clear(), base._REGISTRY.update(registry)
+        base._UNAVAILABLE.clear(), base._UNAVAILABLE.update(unavailable)
 
 
 def test_lfm2_conv_window_crosses_short_nodes():

@@ -15,7 +15,7 @@ __all__ = ["ALL_FAMILIES", "FAMILIES", "tiny_config", "tiny_model"]
 
 ALL_FAMILIES = (
     "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama", "qwen3_5", "lfm2",
-    "minimax",
+    "minimax", "nemotron_h",
     "qwen2", "mistral", "qwen3_moe", "olmo3", "glm4_moe", "gemma3_text", "gpt_oss",
 )
 #: the families the installed transformers has, in the order above

@@ -9,6 +9,7 @@ from harts.adapters import (  # noqa: F401  (registration)
     llama,
     minimax,
     moe_gqa,
+    nemotron_h,
     olmo3,
     qwen2,
     qwen3_5,

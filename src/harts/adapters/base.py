@@ -96,6 +96,9 @@ class FamilyAdapter:
     moe_balancing: MoEBalancing | None = None
     sliding_windows: bool = False  # the adapter runs sliding-window layers (along paths)
     modeling_package: dict[str, str] = {}  # model type -> transformers.models package, where they differ
+    # model type -> (oldest transformers version, why older ones are refused): where the stock
+    # modeling code of older versions is itself wrong, so no exact equivalent exists
+    min_transformers: dict[str, tuple[str, str]] = {}
 
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
@@ -113,6 +116,10 @@ class FamilyAdapter:
 
     def backbone(self, model: nn.Module) -> nn.Module:
         return model.model
+
+    def embedding(self, backbone: nn.Module) -> nn.Module:
+        """The token embedding (nemotron_h calls it ``embeddings``)."""
+        return backbone.embed_tokens
 
     def final_norm(self, backbone: nn.Module) -> nn.Module:
         """The norm after the last decoder layer (lfm2 calls it ``embedding_norm``)."""
@@ -161,25 +168,46 @@ def unknown_layer(family: str, layer_type: str) -> ValueError:
 
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
-_UNAVAILABLE: set[str] = set()  # families harts has an adapter for but the installed transformers lacks
+# families harts has an adapter for that the installed transformers lacks (or runs wrongly) -> why
+_UNAVAILABLE: dict[str, str] = {}
 _ALIASES: dict[str, str] = {}  # config model type -> registered family (FamilyAdapter.config_aliases)
 
 
 class FamilyUnavailable(ValueError):
-    """A family harts supports that the installed transformers does not have."""
+    """A family harts supports that the installed transformers does not have (or has a version of
+    that harts refuses)."""
 
 
 def _transformers_has(model_type: str) -> bool:
     return importlib.util.find_spec(f"transformers.models.{model_type}") is not None
 
 
+def _too_old(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
 def register(adapter: FamilyAdapter) -> FamilyAdapter:
-    """Register ``adapter`` for each of its model types that the installed transformers has."""
+    """Register ``adapter`` for each of its model types that the installed transformers has (from
+    the adapter's ``min_transformers`` version on)."""
+    import transformers
+
     for name in adapter.model_types:
-        if _transformers_has(adapter.modeling_package.get(name, name)):
-            _REGISTRY[name] = adapter
+        _REGISTRY.pop(name, None), _UNAVAILABLE.pop(name, None)
+        if not _transformers_has(adapter.modeling_package.get(name, name)):
+            _UNAVAILABLE[name] = (
+                f"{name} is not in the installed transformers {transformers.__version__}; "
+                f"install a version that has it (see the README's supported range)"
+            )
+        elif name in adapter.min_transformers and _too_old(adapter.min_transformers[name][0]):
+            version, why = adapter.min_transformers[name]
+            _UNAVAILABLE[name] = (
+                f"{name} needs transformers >= {version} (installed: {transformers.__version__}): {why}"
+            )
         else:
-            _UNAVAILABLE.add(name)
+            _REGISTRY[name] = adapter
     for alias, name in adapter.config_aliases.items():
         if name in _REGISTRY:
             _ALIASES[alias] = name
@@ -192,12 +220,7 @@ def supported_families() -> list[str]:
 
 
 def _unavailable(model_type: str) -> FamilyUnavailable:
-    import transformers
-
-    return FamilyUnavailable(
-        f"{model_type} is not in the installed transformers {transformers.__version__}; "
-        f"install a version that has it (see the README's supported range)"
-    )
+    return FamilyUnavailable(_UNAVAILABLE[model_type])
 
 
 def adapter_for_type(model_type: str) -> FamilyAdapter:
@@ -213,6 +236,8 @@ def adapter_for_type(model_type: str) -> FamilyAdapter:
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     config = getattr(model, "config", None)
     model_type = _ALIASES.get(getattr(config, "model_type", None), getattr(config, "model_type", None))
+    if model_type in _UNAVAILABLE:
+        raise _unavailable(model_type)
     if model_type not in _REGISTRY:
         raise ValueError(
             f"unsupported model family {model_type!r} ({type(model).__name__}); "

@@ -24,12 +24,13 @@ from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 
 __all__ = [
     "gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer", "qwen3_5_gdn_projections", "lightning_mixer",
+    "mamba2_mixer",
 ]  # fmt: skip
 
 
 def gqa_attention(
     attn, x, ctx: TreeOps, output_gate: bool = False, window: int | None = None, sinks: bool = False,
-    rope_key: str = "full_attention",
+    rope_key: str = "full_attention", rope: bool = True,
 ) -> torch.Tensor:
     """Grouped-query attention (llama, qwen2/3, mistral, olmo3, gemma3, gpt_oss, ...): the module's
     projections (with their biases), optional q/k norms, RoPE, and optionally qwen3_next's output
@@ -38,6 +39,7 @@ def gqa_attention(
     q/k norms: over each head (qwen3, gemma3, glm4_moe) when the norm's width is the head size,
     else over the whole projection before it is split into heads (olmo3). ``rope_key``: the layer
     type whose rotary table this layer reads, when the context holds one per layer type (gemma3).
+    ``rope=False``: no position embedding at all (nemotron_h's attention layers).
     """
     n = x.shape[1]
     head_dim = attn.head_dim
@@ -60,9 +62,10 @@ def gqa_attention(
         query, key = q_norm(query), k_norm(key)
     query, key = query.transpose(1, 2), key.transpose(1, 2)
     value = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
-    tables = ctx.position_embeddings
-    cos, sin = tables[rope_key] if isinstance(tables, dict) else tables
-    query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
+    if rope:
+        tables = ctx.position_embeddings
+        cos, sin = tables[rope_key] if isinstance(tables, dict) else tables
+        query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
     out = ctx.attend(query, key, value, attn.scaling, window=window,
                      sinks=attn.sinks if sinks else None).reshape(1, n, -1)
     if gate is not None:
@@ -205,3 +208,41 @@ def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
     out = attn.norm(out.reshape(1, n, heads * head_dim))
     out = torch.sigmoid(attn.output_gate(x)) * out
     return attn.out_proj(out)
+
+
+def mamba2_mixer(
+    mixer, x, ctx: TreeOps, dt_limit: tuple[float, float] = (0.0, float("inf")), gated_norm: bool = True
+) -> torch.Tensor:
+    """Mamba-2's SSD layer (nemotron_h, granitemoehybrid, falcon_h1), as the stock ``torch_forward``.
+
+    ``in_proj`` gives (gate z, x|B|C, dt) after any unused leading columns; the depthwise conv and
+    activation run on x|B|C along paths; dt = clamp(softplus(dt + dt_bias), *dt_limit) per head; the
+    scan h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t h_t + D x_t (B and C shared by each
+    group of heads) is :data:`~harts.ops.recurrence.GATED_LINEAR_ATTENTION` with q = C, k = B,
+    v = dt * x and g = dt * A over the state channels, in fp32 as the stock chunked scan. Then the
+    gated RMSNorm ``norm(y, z)`` (``gated_norm=False``: no norm, ``y * silu(z)``) and ``out_proj``.
+    """
+    n = x.shape[1]
+    heads, head_dim, state = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size
+    inner, groups = mixer.intermediate_size, mixer.n_groups
+    projected = mixer.in_proj(x)[0]  # [N, P]
+    used = inner + mixer.conv_dim + heads
+    gate, xbc, dt = projected[:, projected.shape[-1] - used:].split([inner, mixer.conv_dim, heads], dim=-1)
+    xbc = _conv(mixer, xbc, ctx)
+    hidden, b, c = torch.split(xbc, [inner, groups * state, groups * state], dim=-1)
+    f = _state_dtype(x)
+    dt = F.softplus(dt + mixer.dt_bias.to(dt.dtype))
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).to(f)  # [N, H]
+    a = -torch.exp(mixer.A_log.to(f))  # [H]
+    hidden = hidden.reshape(n, heads, head_dim).to(f)
+    per_group = heads // groups
+    b = b.reshape(n, groups, state).to(f).repeat_interleave(per_group, dim=1)
+    c = c.reshape(n, groups, state).to(f).repeat_interleave(per_group, dim=1)
+    g = (a * dt)[..., None].expand(-1, -1, state)
+    y = ctx.recurrence(GATED_LINEAR_ATTENTION, c, b, hidden * dt[..., None], g, scale=1.0)
+    y = (y + mixer.D.to(f)[:, None] * hidden).reshape(1, n, inner)
+    if gated_norm:
+        y = mixer.norm(y, gate[None])
+    else:
+        y = y * F.silu(gate[None].to(f))
+    return mixer.out_proj(y.to(x.dtype))

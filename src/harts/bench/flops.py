@@ -78,6 +78,11 @@ def _expert_weights(experts: nn.Module) -> tuple[int, int]:
     return total // num, num
 
 
+# Layer types without keys or states: a short convolution (lfm2), or an MLP / MoE block standing
+# as a layer of its own (nemotron_h).
+TOKEN_WISE_LAYERS = ("conv", "mlp", "moe")
+
+
 def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
     """Matmul weights one token meets in ``layer``.
 
@@ -102,8 +107,11 @@ def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
 
 
 def _linear_state_flops(mixer: nn.Module) -> int:
-    """6 * H * K * V for one KDA (num_heads, head_dim) or GDN (num_v_heads, head_k_dim, head_v_dim) layer."""
-    if hasattr(mixer, "num_v_heads"):
+    """6 * H * K * V for one KDA (num_heads, head_dim), GDN (num_v_heads, head_k_dim, head_v_dim) or
+    Mamba-2 (num_heads, ssm_state_size, head_dim) layer."""
+    if hasattr(mixer, "ssm_state_size") and hasattr(mixer, "num_heads"):  # Mamba-2: K = state size
+        heads, k, v = mixer.num_heads, mixer.ssm_state_size, mixer.head_dim
+    elif hasattr(mixer, "num_v_heads"):
         heads, k, v = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     elif hasattr(mixer, "num_heads") and hasattr(mixer, "head_dim"):
         heads, k, v = mixer.num_heads, mixer.head_dim, mixer.head_dim
@@ -139,7 +147,7 @@ def flop_model(model: nn.Module) -> FlopModel:
         if layer_type == "linear_attention":
             state += _linear_state_flops(mixer)
             n_linear += 1
-        elif layer_type == "conv":  # a short convolution: its projections are per-token work above
+        elif layer_type in TOKEN_WISE_LAYERS:  # projections, MLP or MoE only: per-token work above
             continue
         else:  # full or sliding-window attention (a window's keys counted as the whole path's)
             attn += _attention_key_flops(mixer, config)

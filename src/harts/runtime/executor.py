@@ -164,7 +164,7 @@ def run_layout(
     backbone = adapter.backbone(model)
     layers = backbone.layers[: model.config.num_hidden_layers]
     mixers = [adapter.mixer(layer, adapter.layer_type(model, i)) for i, layer in enumerate(layers)]
-    hidden = backbone.embed_tokens(layout.tokens)[None]  # [1, n, D]
+    hidden = adapter.embedding(backbone)(layout.tokens)[None]  # [1, n, D]
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
