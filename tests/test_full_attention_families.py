@@ -2,8 +2,8 @@
 
 - Sliding windows are live: each windowed tiny model differs from the same weights without the
   window on a path longer than it, so the equivalence tests (stock vs tree) check the window.
-- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss, nemotron_h); their
-  load-balancing loss against the stock flat batch is in tests/test_moe_stats.py.
+- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss, nemotron_h,
+  granitemoehybrid); their load-balancing loss against the stock flat batch is in tests/test_moe_stats.py.
 - Refusals before compute: gemma3 attention-logit soft-capping and bidirectional attention; a
   module the adapter relies on missing from the loaded model (a renamed transformers attribute).
 
@@ -55,7 +55,7 @@ def test_sliding_windows_are_live(family):
             assert (tree - plain(input_ids=ids).logits[0]).abs().max() > 1e-2
 
 
-MOE = ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h"]
+MOE = ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h", "granitemoehybrid"]
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -79,7 +79,7 @@ def test_expert_counts_equal_each_trajectory_alone(family):
             for layer, row in enumerate(loop_counts(one.indices, [True] * len(t), one.num_experts)):
                 alone[layer] = [a + b for a, b in zip(alone[layer], row, strict=True)]
     assert tree.expert_counts.tolist() == alone
-    assert (tree.aux_loss is not None) == (family in ("qwen3_moe", "gpt_oss"))
+    assert (tree.aux_loss is not None) == (family in ("qwen3_moe", "gpt_oss", "granitemoehybrid"))
 
 
 TRAJS = [[3, 4, 5, 6], [3, 4, 7]]

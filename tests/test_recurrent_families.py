@@ -4,6 +4,9 @@ test_equivalence / test_split, parametrised over every family).
 - qwen3_5: the text causal LM runs under its config type (``qwen3_5_text``), which is
   not a family name of its own; the multimodal wrapper's config is refused.
 - minimax: ``sliding_window`` and ``router_jitter_noise`` are refused before any compute.
+- granitemoehybrid without RoPE, falcon_h1 without the Mamba norm or with norm-before-gate: exact and
+  live; a logits factor (granite's ``logits_scaling``, falcon_h1's ``lm_head_multiplier``) with a
+  biased head and a hook on falcon_h1's attention (beside its Mamba mixer) are refused.
 - every family: a model lacking a module its mixer reads (a renamed attribute) fails naming the
   family and the missing piece.
 """
@@ -56,6 +59,12 @@ def test_minimax_refuses(override, message):
         ("minimax", "model.layers.0.self_attn", "output_gate"),
         ("nemotron_h", "model.layers.0.mixer", "dt_bias"),
         ("nemotron_h", "model", "norm_f"),
+        ("jamba", "model.layers.0.mamba", "b_layernorm"),
+        ("jamba", "model", "final_layernorm"),
+        ("granitemoehybrid", "model.layers.0.mamba", "dt_bias"),
+        ("granitemoehybrid", "model", "embedding_multiplier"),
+        ("falcon_h1", "model.layers.0.mamba", "mup_vector"),
+        ("falcon_h1", "model.layers.0.self_attn", "key_multiplier"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -85,6 +94,55 @@ def test_nemotron_h_time_step_floor_is_live():
             ref = floored(input_ids=ids).logits[0]
             assert (out.trajectory_logits(i) - ref).abs().max() <= 1e-4
             assert (plain(input_ids=ids).logits[0] - ref).abs().max() > 1e-3
+
+
+def _exact_and_live(variant, base, trajectories=((5, 6, 7, 8, 9, 10, 11, 12, 13, 14), (5, 6, 7, 20, 21))):
+    """``variant`` runs exactly per trajectory, and differs from ``base`` (the same weights without
+    the option; a module only one of them has keeps its initial weights), so the option is really
+    exercised."""
+    base.load_state_dict(variant.state_dict(), strict=False)
+    with torch.no_grad():
+        out = harts.forward(variant, harts.build_forest([list(t) for t in trajectories]))
+        for i, t in enumerate(trajectories):
+            ids = torch.tensor([t])
+            ref = variant(input_ids=ids).logits[0]
+            assert (out.trajectory_logits(i) - ref).abs().max() <= 1e-4
+            assert (base(input_ids=ids).logits[0] - ref).abs().max() > 1e-3
+
+
+def test_granitemoehybrid_without_position_embedding():
+    """``position_embedding_type`` other than rope: attention layers without RoPE, as the stock model."""
+    nope = tiny_model("granitemoehybrid", position_embedding_type=None)
+    _exact_and_live(nope, tiny_model("granitemoehybrid"))
+
+
+def test_falcon_h1_without_mamba_rms_norm():
+    """``mamba_rms_norm=False``: the scan output gated by silu(z) without a norm, as the stock mixer."""
+    _exact_and_live(tiny_model("falcon_h1", mamba_rms_norm=False), tiny_model("falcon_h1"))
+
+
+def test_falcon_h1_norm_before_gate():
+    """``mamba_norm_before_gate=True``: the module's gated RMSNorm gates after normalising."""
+    _exact_and_live(tiny_model("falcon_h1", mamba_norm_before_gate=True), tiny_model("falcon_h1"))
+
+
+@pytest.mark.parametrize(("family", "option"), [("granitemoehybrid", "logits_scaling=2.0"),
+                                                ("falcon_h1", "lm_head_multiplier=0.5")])
+def test_head_factor_with_a_biased_head_is_refused(family, option):
+    """The logits factor is folded into the head's input, exact only for a head without bias."""
+    model = tiny_model(family)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+    with pytest.raises(ValueError, match=f"{family}: {option} with a biased lm_head"):
+        harts.forward(model, harts.build_forest(FOREST))
+
+
+def test_falcon_h1_refuses_a_hook_on_the_attention():
+    """The attention runs beside the Mamba mixer, which stands as the layer's mixer; a hook on the
+    attention module's forward would not run, so it is refused like one on any mixer."""
+    model = tiny_model("falcon_h1")
+    model.model.layers[1].self_attn.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match=r"hook on model.layers.1.self_attn .* would not run"):
+        harts.forward(model, harts.build_forest(FOREST))
 
 
 def test_a_family_whose_stock_code_is_wrong_in_older_transformers_is_refused_there():

@@ -17,6 +17,9 @@ ALL_FAMILIES = (
     "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama", "qwen3_5", "lfm2",
     "minimax", "nemotron_h",
     "qwen2", "mistral", "qwen3_moe", "olmo3", "glm4_moe", "gemma3_text", "gpt_oss",
+    "deepseek_v3",
+    "jamba",
+    "granitemoehybrid", "falcon_h1",
 )
 #: the families the installed transformers has, in the order above
 FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())

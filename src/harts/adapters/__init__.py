@@ -2,8 +2,12 @@
 
 from harts.adapters import (  # noqa: F401  (registration)
     bailing_hybrid,
+    deepseek_v3,
+    falcon_h1,
     gemma3,
     gpt_oss,
+    granitemoehybrid,
+    jamba,
     kimi_linear,
     lfm2,
     llama,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, require, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require, unknown_layer
 from harts.adapters.gqa_family import PRE_NORM_FIELDS, router_if_it_chooses
 from harts.adapters.mixers import mla_attention
 
@@ -54,9 +54,4 @@ class DeepseekV3Adapter(FamilyAdapter):
         return DeepseekV3Config(**{**fields, **overrides})
 
 
-# Not registered yet (deepseek_v3 is refused as an unsupported family): on a trajectory of one
-# repeated token ([[3, 3]]) the query path's gradients are exactly zero in exact arithmetic, and
-# harts' fp32 rounding noise there is 3.1e-6 against stock fp32's 1.1e-6, above the equivalence
-# tests' absolute floor (1e-6) and above twice the stock's own error; every other equivalence,
-# split and family test passes. register(DeepseekV3Adapter()) once the bound for exactly-zero
-# gradients is settled.
+register(DeepseekV3Adapter())

@@ -211,7 +211,8 @@ def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
 
 
 def mamba2_mixer(
-    mixer, x, ctx: TreeOps, dt_limit: tuple[float, float] = (0.0, float("inf")), gated_norm: bool = True
+    mixer, x, ctx: TreeOps, dt_limit: tuple[float, float] = (0.0, float("inf")), gated_norm: bool = True,
+    project=None,
 ) -> torch.Tensor:
     """Mamba-2's SSD layer (nemotron_h, granitemoehybrid, falcon_h1), as the stock ``torch_forward``.
 
@@ -220,12 +221,14 @@ def mamba2_mixer(
     scan h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t h_t + D x_t (B and C shared by each
     group of heads) is :data:`~harts.ops.recurrence.GATED_LINEAR_ATTENTION` with q = C, k = B,
     v = dt * x and g = dt * A over the state channels, in fp32 as the stock chunked scan. Then the
-    gated RMSNorm ``norm(y, z)`` (``gated_norm=False``: no norm, ``y * silu(z)``) and ``out_proj``.
+    gated RMSNorm ``norm(y, z)`` (``gated_norm=False``: no norm, ``y * silu(z)`` with the gate in the
+    model's dtype, as falcon_h1 without ``mamba_rms_norm``) and ``out_proj``. ``project(mixer, x)``
+    replaces ``mixer.in_proj(x)`` where the family scales around it (falcon_h1's muP multipliers).
     """
     n = x.shape[1]
     heads, head_dim, state = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size
     inner, groups = mixer.intermediate_size, mixer.n_groups
-    projected = mixer.in_proj(x)[0]  # [N, P]
+    projected = (mixer.in_proj(x) if project is None else project(mixer, x))[0]  # [N, P]
     used = inner + mixer.conv_dim + heads
     gate, xbc, dt = projected[:, projected.shape[-1] - used:].split([inner, mixer.conv_dim, heads], dim=-1)
     xbc = _conv(mixer, xbc, ctx)
@@ -244,5 +247,5 @@ def mamba2_mixer(
     if gated_norm:
         y = mixer.norm(y, gate[None])
     else:
-        y = y * F.silu(gate[None].to(f))
+        y = y * F.silu(gate[None])
     return mixer.out_proj(y.to(x.dtype))

@@ -108,9 +108,11 @@ def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
 
 def _linear_state_flops(mixer: nn.Module) -> int:
     """6 * H * K * V for one KDA (num_heads, head_dim), GDN (num_v_heads, head_k_dim, head_v_dim) or
-    Mamba-2 (num_heads, ssm_state_size, head_dim) layer."""
+    Mamba-2 (num_heads, ssm_state_size, head_dim) or Mamba (intermediate_size, ssm_state_size, 1) layer."""
     if hasattr(mixer, "ssm_state_size") and hasattr(mixer, "num_heads"):  # Mamba-2: K = state size
         heads, k, v = mixer.num_heads, mixer.ssm_state_size, mixer.head_dim
+    elif hasattr(mixer, "ssm_state_size") and hasattr(mixer, "intermediate_size"):  # Mamba: H = channels
+        heads, k, v = mixer.intermediate_size, mixer.ssm_state_size, 1
     elif hasattr(mixer, "num_v_heads"):
         heads, k, v = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     elif hasattr(mixer, "num_heads") and hasattr(mixer, "head_dim"):
@@ -147,6 +149,11 @@ def flop_model(model: nn.Module) -> FlopModel:
         if layer_type == "linear_attention":
             state += _linear_state_flops(mixer)
             n_linear += 1
+        elif layer_type == "hybrid":  # a linear mixer and an attention (self_attn) in parallel (falcon_h1)
+            state += _linear_state_flops(mixer)
+            attn += _attention_key_flops(layer.self_attn, config)
+            n_linear += 1
+            n_full += 1
         elif layer_type in TOKEN_WISE_LAYERS:  # projections, MLP or MoE only: per-token work above
             continue
         else:  # full or sliding-window attention (a window's keys counted as the whole path's)

@@ -25,6 +25,17 @@ carry 1 there, real keys 0 and the padding key a huge negative number, so a padd
 is exactly -huge (weight 0, and finite, so a query row that sees only padding yields no NaN) and
 real scores are unchanged. Groups without key padding (all large blocks, which run alone) skip it.
 
+Equal values: where all the real values of a block (of a key/value head) are one value c (a
+repeated token whose hidden states are equal, with values that carry no position), the block
+attends to its values less c and adds c back. Softmax weights sum to one, so the result is the
+same in exact arithmetic, and in floating point it is then exact too: the output is c and the
+query and key gradients are zero, not rounding noise (~1e-6 in fp32, the stock attention's too,
+which gradient checks of exactly-zero gradients count as error). c's own gradient, the sum over
+rows i of dO_i (1 - sum_j P_ij) over all the block's columns j (the sink and padding keys'
+included), is zero in exact arithmetic, so none is passed back: the values' gradients stay P^T dO.
+Other blocks are untouched (shifting every block by its first value doubles the rounding error of
+outputs whose values have no common part, measured), as are float16 and bfloat16.
+
 Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
 several times the token count). Saved are q, k, v as passed, the returned output and, per group
 run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats); backward gathers each group's
@@ -163,12 +174,15 @@ class _TreeAttention(torch.autograd.Function):
         hkv, _, dv = v.shape
         r = q.shape[0] // hkv
         outs, lses = [], []
-        for g, _, _, qg, kg, vg in _gathered_groups(q, k, v, plan, scaling, sinks):
+        for g, _, _, qg, kg, vg, padding in _gathered_groups(q, k, v, plan, scaling, sinks):
             mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
             if kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling):
+                shift = _shift(vg, g, padding)  # vg is the group's own gathered copy: shifted in place
+                vg = vg if shift is None else vg.sub_(shift)
                 out, lse = _flash_forward(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scaling)
+                out = out if shift is None else out.add_(shift)
             else:
-                out, lse = _attend_group(g, qg, kg, vg, mask, scaling), None
+                out, lse = _attend_group(g, qg, kg, vg, mask, scaling, padding), None
             outs.append(out[..., :dv].reshape(hkv, -1, dv))
             lses.append(lse)
         stacked = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hkv, R, Dv]
@@ -208,19 +222,22 @@ class _TreeAttention(torch.autograd.Function):
         dv_all = v.new_zeros(hkv, m + 1, dv, dtype=acc) if need_v else None
         at = 0
         groups = _gathered_groups(q, k, v, plan, scaling, sinks)
-        for (g, q_rows, k_rows, qg, kg, vg), lse in zip(groups, lses, strict=True):
+        for (g, q_rows, k_rows, qg, kg, vg, padding), lse in zip(groups, lses, strict=True):
             rows, dp = qg.shape[1] * qg.shape[2], qg.shape[-1]
             grad_g = _widen(grad_st[:, at: at + rows], dp).reshape(qg.shape)
             mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
             if lse is not None:
                 out_g = _widen(out_st[:, at: at + rows], dp).reshape(qg.shape)
+                shift = _shift(vg, g, padding)
+                if shift is not None:
+                    vg, out_g = vg.sub_(shift), out_g - shift
                 gq, gk, gv = _flash_backward(grad_g, qg, kg, vg, out_g, lse, 0.0, False,
                                              attn_mask=mask, scale=scaling)
             else:
                 # Any device: this group's forward once more, differentiated by autograd.
                 with torch.enable_grad():
                     leaves = [x.detach().requires_grad_() for x in (qg, kg, vg)]
-                    out = _attend_group(g, *leaves, mask, scaling)
+                    out = _attend_group(g, *leaves, mask, scaling, padding)
                     gq, gk, gv = torch.autograd.grad(out, leaves, grad_g)
             if sinks is not None:  # the sink column: its channels' gradient, then the real keys
                 if need_s:
@@ -305,17 +322,56 @@ def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float, sinks=Non
             if sinks is not None:
                 kg = torch.cat([kg, sink_key[:, None, None].expand(hkv, g.size, 1, dp)], dim=2)
                 vg = torch.cat([vg, vg.new_zeros(hkv, g.size, 1, dp)], dim=2)
-            yield g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp), kg, vg
+            padding = _padding(plan, g, kr, k_at)
+            yield g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp), kg, vg, padding
 
 
-def _attend_group(g: AttentionGroup, qg, kg, vg, mask, scaling: float) -> torch.Tensor:
+def _attend_group(g: AttentionGroup, qg, kg, vg, mask, scaling: float, padding=None) -> torch.Tensor:
     """One group's attention [Hkv, G, r * Lq, dp] by autograd-able ops (any device)."""
     if kg.shape[2] == 1:
         # A lone key gets weight 1: its value, exactly, and exactly zero gradient for the query
         # and key, which SDPA's backward leaves at rounding noise (~1e-6 in fp32). The zero term
         # keeps q and k in the graph (and propagates NaN as SDPA would).
         return vg.expand(*qg.shape[:3], -1) + 0 * (qg[..., :1] + kg[..., :1])
-    return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
+    shift = _shift(vg.detach(), g, padding)
+    if shift is None:
+        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
+    return F.scaled_dot_product_attention(qg, kg, vg - shift, attn_mask=mask, scale=scaling) + shift
+
+
+def _padding(plan: TreeAttentionPlan, g: AttentionGroup, kr: torch.Tensor, at: int):
+    """Group ``g``'s key padding (key rows ``kr``, ending at ``at`` in the plan's key index): per block,
+    the column of its first real key [G] and which columns are padding [G, Lk]; None when no block is
+    padded. Cached."""
+    if not g.pad_keys:
+        return None
+    key = ("padding", at)
+    if key not in plan._cache:
+        pad = kr.view(g.size, g.lk) == plan.num_keys
+        plan._cache[key] = pad.sum(1), pad
+    return plan._cache[key]
+
+
+def _shift(v: torch.Tensor, g: AttentionGroup, padding) -> torch.Tensor | None:
+    """[Hkv, G, 1, dp]: per block, its value if all its real values are that one value, else zero
+    (module docstring, "Equal values"); None when no block has one value (always None in float16 and
+    bfloat16). A first test on channel 0 alone keeps the usual case to a small read on CPU, where
+    asking whether any block passed costs no device synchronisation."""
+    if g.lk < 2 or v.dtype not in (torch.float32, torch.float64):
+        return None
+    v = v[:, :, :g.lk]  # without a sink column
+    first, pad = padding if padding is not None else (None, None)
+    c = v[:, :, :1] if first is None else v[:, torch.arange(g.size, device=v.device), first].unsqueeze(2)
+
+    def one_value(x, ref, pad):
+        same = x == ref
+        return (same if pad is None else same | pad).flatten(2).all(-1)  # [Hkv, G]
+
+    flags = one_value(v[..., 0], c[..., 0], pad)
+    if v.device.type == "cpu" and not flags.any():
+        return None
+    flags &= one_value(v, c, None if pad is None else pad[..., None]) & c.isfinite().flatten(2).all(-1)
+    return torch.where(flags[..., None, None], c, 0.0)
 
 
 def _fused(qg, kg, vg, mask, scaling: float) -> bool:

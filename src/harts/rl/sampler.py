@@ -189,10 +189,17 @@ def sample_tree(
 CACHE_NOT_EXACT = {
     "minimax": "transformers' MiniMax cache, extended by several tokens at once, gives log-probs up to "
                "0.19 off a full forward of the same tokens",
+    "jamba": "transformers' Jamba cache, extended by several tokens at once, restarts the Mamba layers' "
+             "scan (5.24) or conv (5.10) from zeros: log-probs up to 0.36 (5.24) and 1.8 (5.10) off a "
+             "full forward of the same tokens",
 }
 # Families whose cached decoding is exact from a transformers version on (the oldest one measured
 # exact; earlier ones measured wrong or not measured).
-CACHE_EXACT_FROM = {"lfm2": "5.24.0"}  # 5.10.4: 0.20 off after a branch point
+CACHE_EXACT_FROM = {
+    "lfm2": "5.24.0",  # 5.10.4: 0.20 off after a branch point
+    "granitemoehybrid": "5.24.0",  # 5.10.4: 0.015 off after a branch point
+    "falcon_h1": "5.24.0",  # 5.10.4: 0.014 off after a branch point
+}
 
 
 def cache_not_exact(family: str | None) -> str | None:
