@@ -21,6 +21,7 @@ from harts.ops.gated_linear_attention import (
 )
 from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 from harts.ops.tree_delta_rule import tree_gated_delta_rule, tree_recurrence
+from harts.plan.chunk_tree import chunk_tree_plan
 from harts.plan.waves import plan_linear
 from tests.test_plans import SHAPES, _path_tokens, _root_of
 
@@ -113,12 +114,12 @@ def _inputs_for(recurrence, n, h, dk, dv):
     return tuple(x.requires_grad_() for x in (q, k, v, g, *extra))
 
 
-@pytest.mark.parametrize("mode", ["depth", "chain"])
-@pytest.mark.parametrize("name", ["caterpillar-D8", "short-parents-K4", "roots-3"])
+@pytest.mark.parametrize("mode", ["depth", "chain", "tree", "tree-C8"])
+@pytest.mark.parametrize("name", ["caterpillar-D8", "short-parents-K4", "roots-3", "chunk-boundaries-T200"])
 def test_tree_gla_equals_each_trajectory_alone(name, mode):
     torch.manual_seed(0)
     forest = harts.build_forest(SHAPES[name])
-    plan = plan_linear(forest, mode)
+    plan = chunk_tree_plan(forest, 8) if mode == "tree-C8" else plan_linear(forest, mode)
     h, dk, dv = 2, 8, 4
     inputs = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, h, dk, dv)
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 import harts
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.plan.chunk_tree import ChunkTreePlan, chunk_tree_plan
 from harts.plan.waves import LinearCostModel, PlanMode, chain_plan, min_calls, plan_linear
 from tests.test_forest import forests
 from tests.test_ops_tree import FORESTS
@@ -53,15 +54,59 @@ def _fewest(forest) -> int:
     return max(f[r] for r in (forest.node_parent < 0).nonzero().squeeze(1).tolist())
 
 
+CALL_MODES = [m for m in PlanMode if m is not PlanMode.TREE]  # the plans made of calls
+
+
 def all_plans(forest) -> dict[str, object]:
-    """Every plan the planner can make for ``forest``, by name."""
-    plans = {mode.value: plan_linear(forest, mode, bucket=False) for mode in PlanMode}
+    """Every call plan the planner can make for ``forest``, by name (chunk trees: chunk_trees)."""
+    plans = {mode.value: plan_linear(forest, mode, bucket=False) for mode in CALL_MODES}
     plans["auto-dear-calls"] = plan_linear(forest, "auto", LinearCostModel(call_cost=1e9), bucket=False)
-    for mode in PlanMode:  # the same plans split into calls of similar segment lengths
+    for mode in CALL_MODES:  # the same plans split into calls of similar segment lengths
         plans[f"bucketed-{mode.value}"] = plan_linear(forest, mode)
     for budget in range(_fewest(forest), forest.max_depth + 2):
         plans[f"chain-K{budget}"] = chain_plan(forest, max_calls=budget)
     return plans
+
+
+def chunk_trees(forest) -> dict[str, ChunkTreePlan]:
+    """The chunk-tree plan at its chosen chunk and at the smallest and largest chunk tried."""
+    return {"tree": plan_linear(forest, PlanMode.TREE), "tree-C8": chunk_tree_plan(forest, 8),
+            "tree-C64": chunk_tree_plan(forest, 64)}  # fmt: skip
+
+
+def check_chunk_tree(forest, plan: ChunkTreePlan) -> None:
+    """Structure a chunk tree must have for the handoff to be exact, checked without the planner's code:
+    each node's tokens fill its chunks in order, a chunk starts from its predecessor in the node, a
+    node's first chunk from its parent's last chunk (a root's from its own initial-state row), and
+    every source is computed in an earlier level."""
+    parent, starts = forest.node_parent.tolist(), forest.node_start.tolist()
+    lengths, c, r = forest.node_length.tolist(), plan.chunk_size, len(plan.root_nodes)
+    assert plan.num_tokens == forest.num_tokens
+    assert sorted(plan.root_nodes) == [v for v in range(forest.num_nodes) if parent[v] < 0]
+    level = {}
+    for d, idx in enumerate(plan.levels):
+        for m in idx.tolist():
+            assert m not in level, "a chunk runs twice"
+            level[m] = d
+    assert sorted(level) == list(range(plan.num_chunks)), "a chunk never runs"
+    source, slots = plan.source.tolist(), plan.token_index.tolist()
+    last = plan.node_last_chunk.tolist()
+    seen = []
+    for v in range(forest.num_nodes):
+        first = last[v] - max(1, math.ceil(lengths[v] / c)) + 1
+        tokens = [t for m in range(first, last[v] + 1) for t in slots[m]]
+        want = list(range(starts[v], starts[v] + lengths[v]))
+        assert tokens == want + [forest.num_tokens] * (len(tokens) - lengths[v])
+        want_source = r + last[parent[v]] if parent[v] >= 0 else plan.root_nodes.index(v)
+        assert source[first] == want_source
+        for m in range(first, last[v] + 1):
+            if m > first:
+                assert source[m] == r + m - 1
+            assert source[m] < r or level[source[m] - r] < level[m]
+        seen += list(range(first, last[v] + 1))
+    assert seen == list(range(plan.num_chunks))
+    order = plan.output_index.tolist()
+    assert [slots[i // c][i % c] for i in order] == list(range(forest.num_tokens))
 
 
 def check_plan(forest, plan) -> None:
@@ -121,6 +166,8 @@ def test_every_plan_is_valid_on_edge_shapes(name):
     forest = harts.build_forest(SHAPES[name])
     for plan in all_plans(forest).values():
         check_plan(forest, plan)
+    for plan in chunk_trees(forest).values():
+        check_chunk_tree(forest, plan)
 
 
 @settings(max_examples=60, deadline=None)
@@ -130,6 +177,8 @@ def test_every_plan_is_valid_on_random_forests(trajs):
     plans = all_plans(forest)
     for plan in plans.values():
         check_plan(forest, plan)
+    for plan in chunk_trees(forest).values():
+        check_chunk_tree(forest, plan)
     chain, depth = plans["chain"], plans["depth"]
     leaves = int((forest.node_subtree_end - torch.arange(forest.num_nodes) == 1).sum())
     assert chain.num_calls <= depth.num_calls == forest.max_depth + 1
@@ -165,7 +214,7 @@ def test_auto_picks_the_cheapest_candidate(name):
     assert auto.cost <= min(
         p.cost for n, p in plans.items() if n != "auto-dear-calls" and not n.startswith("bucketed")
     )
-    for mode in PlanMode:  # splitting by length only ever lowers the estimated cost
+    for mode in CALL_MODES:  # splitting by length only ever lowers the estimated cost
         assert plans[f"bucketed-{mode.value}"].cost <= plans[mode.value].cost
     assert plans["auto-dear-calls"].num_calls == plans["chain"].num_calls
     assert plans["depth"].padded_tokens == sum(int(c.token_index.numel()) for c in plans["depth"].calls) - (
@@ -200,12 +249,13 @@ def _root_of(forest, node: int) -> int:
 NUMERIC = ["chunk-boundaries-T200", "caterpillar-D8", "roots-3", "short-parents-K4"]
 
 
-@pytest.mark.parametrize("mode", ["depth", "chain", "auto", "auto-dear-calls", "budget"])
+@pytest.mark.parametrize("mode", ["depth", "chain", "auto", "auto-dear-calls", "budget", "tree", "tree-C8",
+                                  "tree-C64"])
 @pytest.mark.parametrize("name", NUMERIC)
 def test_tree_delta_rule_is_exact_under_every_plan(name, mode):
     torch.manual_seed(0)
     forest = harts.build_forest(SHAPES[name])
-    plans = all_plans(forest)
+    plans = {**all_plans(forest), **chunk_trees(forest)}
     plan = plans[f"chain-K{min(_fewest(forest) + 1, forest.max_depth + 1)}" if mode == "budget" else mode]
     n, h, dk, dv = forest.num_tokens, 2, 8, 4
     q = F.normalize(torch.randn(n, h, dk), dim=-1).requires_grad_()

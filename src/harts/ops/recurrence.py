@@ -57,6 +57,8 @@ class Recurrence:
     reference: Callable
     key_input: str = "k"
     value_input: str = "v"
+    # the same recurrence over a chunk tree (:mod:`harts.ops.chunk_tree`), or None
+    tree_kernel: Callable | None = None
 
     def state_shape(self, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
         """(H, K, V) of the state, from the per-token inputs [N, H, ...]."""
@@ -100,10 +102,25 @@ def _gla_reference(*args, **kwargs):
     return naive_recurrent_gated_linear_attention(*args, **kwargs)
 
 
+def _delta_rule_tree(*args, **kwargs):
+    from harts.ops.chunk_tree import chunk_tree_gated_delta_rule
+
+    return chunk_tree_gated_delta_rule(*args, **kwargs)
+
+
+def _gla_tree(*args, **kwargs):
+    from harts.ops.chunk_tree import chunk_tree_gated_linear_attention
+
+    return chunk_tree_gated_linear_attention(*args, **kwargs)
+
+
 #: q, k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay per key channel; beta [N, H]. Scale default K^-0.5.
-DELTA_RULE = Recurrence("delta_rule", ("q", "k", "v", "g", "beta"), _delta_rule_kernel, _delta_rule_reference)
+DELTA_RULE = Recurrence(
+    "delta_rule", ("q", "k", "v", "g", "beta"), _delta_rule_kernel, _delta_rule_reference,
+    tree_kernel=_delta_rule_tree,
+)  # fmt: skip
 
 #: q, k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay per key channel. Scale default 1.
 GATED_LINEAR_ATTENTION = Recurrence(
-    "gated_linear_attention", ("q", "k", "v", "g"), _gla_kernel, _gla_reference
+    "gated_linear_attention", ("q", "k", "v", "g"), _gla_kernel, _gla_reference, tree_kernel=_gla_tree
 )

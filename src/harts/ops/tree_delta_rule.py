@@ -31,11 +31,13 @@ time).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from harts.ops.recurrence import DELTA_RULE, Recurrence
+from harts.plan.chunk_tree import ChunkTreePlan
 from harts.plan.waves import LinearCall, LinearPlan
 
 __all__ = ["tree_gated_delta_rule", "tree_recurrence"]
@@ -73,13 +75,15 @@ def tree_recurrence(
             f"({recurrence.inputs[0]}: {tuple(inputs[0].shape)})"
         )
     h, dk, dv = recurrence.state_shape(inputs)
-    kernel = recurrence.kernel()
-    states: dict[int, torch.Tensor] = {}
     root_states = root_states or {}
-    outputs = []
     q = inputs[0]
     zero_state = torch.zeros(h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     recompute = recompute and torch.is_grad_enabled()
+    if isinstance(plan, ChunkTreePlan):
+        return _run_chunk_tree(recurrence, inputs, plan, scale, root_states, zero_state, recompute)
+    kernel = recurrence.kernel()
+    states: dict[int, torch.Tensor] = {}
+    outputs = []
     for call in plan.calls:
         init = torch.stack(
             [
@@ -100,6 +104,36 @@ def tree_recurrence(
             states[node] = final[w]
         outputs.append(o)
     return torch.cat(outputs, dim=0)[plan.output_order()], states
+
+
+class _NodeStates(Mapping):
+    """{node: final state [H, K, V]} read from a chunk tree's end states, one view per lookup."""
+
+    def __init__(self, ends: torch.Tensor, last_chunk: list[int]):
+        self.ends, self.last_chunk = ends, last_chunk
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        return self.ends[self.last_chunk[node]]
+
+    def __iter__(self):
+        return iter(range(len(self.last_chunk)))
+
+    def __len__(self) -> int:
+        return len(self.last_chunk)
+
+
+def _run_chunk_tree(recurrence, inputs, plan: ChunkTreePlan, scale, root_states, zero_state, recompute):
+    """The whole plan in one call of the recurrence's chunk-tree kernel."""
+    if recurrence.tree_kernel is None:
+        raise ValueError(f"{recurrence.name} has no chunk-tree kernel; use another linear plan")
+    kernel = recurrence.tree_kernel
+    init = torch.stack([root_states.get(node, zero_state) for node in plan.root_nodes], dim=0)
+
+    def run(init, *inputs):
+        return kernel(*inputs, plan=plan, initial_state=init, scale=scale)
+
+    o, ends = checkpoint(run, init, *inputs, use_reentrant=False) if recompute else run(init, *inputs)
+    return o, _NodeStates(ends, plan.node_last_chunk.tolist())
 
 
 def _run_call(kernel, call: LinearCall, scale, init, *inputs):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
+from harts.plan.chunk_tree import ChunkTreePlan, chunk_tree_plan
 
 __all__ = [
     "LinearCall",
@@ -53,6 +54,7 @@ class PlanMode(StrEnum):
     AUTO = "auto"  # the cheaper of DEPTH and CHAIN under the cost model
     DEPTH = "depth"  # one call per depth level, one node per segment
     CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
+    TREE = "tree"  # one call: every node cut into chunks, chained down the chunk tree
 
 
 @dataclass
@@ -400,7 +402,7 @@ def plan_linear(
     mode: PlanMode | str = PlanMode.AUTO,
     cost_model: LinearCostModel | None = None,
     bucket: bool = True,
-) -> LinearPlan:
+) -> LinearPlan | ChunkTreePlan:
     """The linear-attention plan of ``mode``; for AUTO, the cheapest under ``cost_model``.
 
     AUTO costs, from call shapes alone (no gathers), the depth plan, the fewest-calls chain plan,
@@ -421,6 +423,8 @@ def plan_linear(
         return finish(depth_wave_plan(forest))
     if mode is PlanMode.CHAIN:
         return finish(chain_plan(forest))
+    if mode is PlanMode.TREE:
+        return chunk_tree_plan(forest)
     f, heavy = min_calls(forest)
     lengths = forest.node_length.tolist()
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()

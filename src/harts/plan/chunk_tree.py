@@ -1,0 +1,144 @@
+"""The chunk-tree plan: every linear-attention layer of a micro-batch in one call.
+
+The call plans of :mod:`harts.plan.waves` run a layer as several batched calls (one per depth
+level, or per chain), each a chunked recurrence over right-padded segments: on forests of many
+short nodes the per-call fixed cost dominates. This plan instead cuts every node into chunks of
+``chunk_size`` tokens (its last chunk right-padded with identity steps) and links the chunks into
+a tree: a chunk starts from the state its predecessor in the node ends with, or, for a node's
+first chunk, from the state its parent node ends with (a root's from a handed-over state or
+zeros). The chunked kernels then compute every chunk's intra-chunk terms in one batch, and only
+the small state recurrence S_end = T S_start + D runs level by level down the chunk tree
+(:mod:`harts.ops.chunk_tree`): as many sequential steps as the longest path has chunks, each over
+every chunk at that depth. Each node ends at a chunk boundary, so every node's final state is a
+chunk's end state, with no replay.
+
+The price is padding: each node is padded to whole chunks, so short nodes want short chunks.
+:func:`chunk_tree_plan` picks the chunk that minimises padded slots plus a cost per sequential step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.forest import Forest
+
+__all__ = ["ChunkTreePlan", "chunk_tree_plan"]
+
+
+@dataclass
+class ChunkTreePlan:
+    """Chunks of every node, linked parent to child.
+
+    - ``token_index`` [M, C]: unique-token row of each slot; padded slots hold ``num_tokens`` (a
+      zero row the kernels append);
+    - ``source`` [M]: where each chunk's initial state comes from, as a row of the states buffer
+      [R + M]: rows 0..R-1 are the roots' initial states (``root_nodes[r]``'s), row R + m the end
+      state of chunk m;
+    - ``levels``: chunk ids by depth in the chunk tree (every chunk's source is in an earlier level);
+    - ``node_last_chunk`` [nodes]: the chunk whose end state is the node's final state;
+    - ``output_index`` [num_tokens]: the slot (m * C + i) of each unique token.
+    """
+
+    chunk_size: int
+    token_index: torch.Tensor
+    source: torch.Tensor
+    levels: list[torch.Tensor]
+    root_nodes: list[int]
+    node_last_chunk: torch.Tensor
+    output_index: torch.Tensor
+    num_tokens: int
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.token_index.shape[0])
+
+    @property
+    def num_calls(self) -> int:
+        return 1
+
+    @property
+    def scan_steps(self) -> int:
+        """Sequential steps of the state scan: the chunk tree's depth + 1."""
+        return len(self.levels)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.token_index.numel() - self.num_tokens
+
+    def to(self, device) -> ChunkTreePlan:
+        return ChunkTreePlan(
+            self.chunk_size, self.token_index.to(device), self.source.to(device),
+            [lv.to(device) for lv in self.levels], self.root_nodes, self.node_last_chunk.to(device),
+            self.output_index.to(device), self.num_tokens,
+        )  # fmt: skip
+
+
+#: Chunk sizes tried, and the cost of one sequential step of the chunk-tree scan in padded token
+#: slots (the slots a step's fixed cost would compute): fitted on CPU, fwd + bwd of the delta rule.
+CHUNK_SIZES = (8, 16, 32, 64)
+STEP_SLOTS = 48
+
+
+def choose_chunk(forest: Forest, step_slots: float = STEP_SLOTS) -> int:
+    """The chunk minimising padded slots + ``step_slots`` x sequential steps (ties: the larger)."""
+    lengths = forest.node_length.numpy()
+    best = None
+    for c in CHUNK_SIZES:
+        per_node = np.maximum(1, np.ceil(lengths / c)).astype(np.int64)
+        steps = _chunk_depths(forest, per_node).max() + 1 if lengths.size else 1
+        cost = per_node.sum() * c + step_slots * steps
+        if best is None or cost <= best[0]:
+            best = (cost, c)
+    return best[1]
+
+
+def _chunk_depths(forest: Forest, per_node: np.ndarray) -> np.ndarray:
+    """Depth in the chunk tree of each node's last chunk (parents come before children)."""
+    parent = forest.node_parent.numpy()
+    last = np.empty(parent.size, dtype=np.int64)
+    for u in range(parent.size):
+        p = parent[u]
+        last[u] = (last[p] + per_node[u]) if p >= 0 else per_node[u] - 1
+    return last
+
+
+def chunk_tree_plan(forest: Forest, chunk_size: int | None = None) -> ChunkTreePlan:
+    """The chunk tree of ``forest`` (nodes in forest order, parents before children)."""
+    c = chunk_size or choose_chunk(forest)
+    if c < 1 or c & (c - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {c}")
+    lengths = forest.node_length.numpy().astype(np.int64)
+    starts = forest.node_start.numpy().astype(np.int64)
+    parent = forest.node_parent.numpy()
+    n_nodes, n_tokens = lengths.size, int(lengths.sum())
+    per_node = np.maximum(1, np.ceil(lengths / c)).astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(per_node)[:-1]]).astype(np.int64)
+    last = first + per_node - 1
+    m = int(per_node.sum())
+    chunk_node = np.repeat(np.arange(n_nodes), per_node)
+    j = np.arange(m) - first[chunk_node]  # chunk index within its node
+    roots = np.flatnonzero(parent < 0)
+    root_slot = np.full(n_nodes, -1, dtype=np.int64)
+    root_slot[roots] = np.arange(roots.size)
+    r = roots.size
+    first_source = np.where(parent >= 0, r + last[np.maximum(parent, 0)], root_slot)
+    source = np.where(j > 0, r + np.arange(m) - 1, first_source[chunk_node])
+    depth_last = _chunk_depths(forest, per_node)
+    depth = depth_last[chunk_node] - (per_node[chunk_node] - 1 - j)
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if m else 1))
+    levels = [torch.as_tensor(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    offset = j * c  # token offset of each chunk in its node
+    slot = np.arange(c)[None, :]
+    valid = slot < (lengths[chunk_node] - offset)[:, None]
+    token_index = np.where(valid, starts[chunk_node][:, None] + offset[:, None] + slot, n_tokens)
+    flat = np.flatnonzero(valid.reshape(-1))  # slots of real tokens, in token order (nodes in order)
+    output_index = np.empty(n_tokens, dtype=np.int64)
+    output_index[token_index.reshape(-1)[flat]] = flat
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
+    return ChunkTreePlan(
+        c, t(token_index), t(source), levels, roots.tolist(), t(last), t(output_index), n_tokens
+    )
