@@ -27,7 +27,9 @@ class RunConfig:
       against the budget of a cut part, in [0, 1]; 0.25 by default (measured: a context row costs
       about a fifth of a token's activations).
     - ``linear_plan``: how linear-attention layers are cut into calls: ``auto`` (the cheaper under
-      ``cost_model``), ``depth`` (one call per depth level) or ``chain`` (fewest calls).
+      ``cost_model``), ``depth`` (one call per depth level), ``chain`` (fewest calls) or ``tree``
+      (one call per layer over a chunk tree, :mod:`harts.plan.chunk_tree`; the plain-PyTorch kernels
+      on every backend; opt-in).
     - ``cost_model``: the linear-call cost model (fitted on the CPU by default; refit on a GPU).
     - ``chunk_rows``: loss rows per chunk of the output head, bounding the [rows, vocab] logits.
     - ``recompute_linear``: linear-attention calls keep only their inputs for backward and run
