@@ -136,6 +136,11 @@ class FamilyAdapter:
         """Return (module, mixer function) for one decoder layer."""
         raise NotImplementedError
 
+    def uncalled_modules(self, layer: nn.Module, layer_type: str) -> list[nn.Module]:
+        """Modules of a layer, besides the layer and its mixer, whose forward harts never calls (their
+        parts run over the forest): hooks on them are refused (falcon_h1's parallel attention)."""
+        return []
+
     def tiny_config(self, model_type: str, **overrides):
         """A toy configuration of ``model_type`` (tests, demos, benchmarks); keywords override fields."""
         raise NotImplementedError

@@ -86,8 +86,6 @@ class FalconH1Adapter(FamilyAdapter):
     model_types = ("falcon_h1",)
 
     def check_model(self, model):
-        from harts.runtime.model_checks import hooked
-
         backbone = self.backbone(model)
         require("falcon_h1", backbone, "embed_tokens", "layers", "final_layernorm", "rotary_emb",
                 "embedding_multiplier", "lm_head_multiplier")  # fmt: skip
@@ -96,19 +94,15 @@ class FalconH1Adapter(FamilyAdapter):
                 f"falcon_h1: lm_head_multiplier={backbone.lm_head_multiplier} with a biased lm_head: harts "
                 f"folds the multiplier into the head's input, which is exact only for a head without bias"
             )
-        for i, layer in enumerate(backbone.layers[: model.config.num_hidden_layers]):
+        for layer in backbone.layers[: model.config.num_hidden_layers]:
             require("falcon_h1", layer, *_LAYER)
             require("falcon_h1", layer.mamba, *_MAMBA)
             if layer.mamba.mamba_rms_norm:
                 require("falcon_h1", layer.mamba, "norm")
             require("falcon_h1", layer.self_attn, *_ATTENTION)
-            # the Mamba module stands as the layer's mixer in the generic checks; its twin is checked here
-            if hooked(layer.self_attn):
-                raise ValueError(
-                    f"a hook on model.layers.{i}.self_attn ({type(layer.self_attn).__name__}) would not run: "
-                    f"harts runs this module's parts over the forest, not its forward; register the hook "
-                    f"on a submodule harts calls (norms, mlp, projections, lm_head) or remove it"
-                )
+
+    def uncalled_modules(self, layer, layer_type):
+        return [layer.self_attn]  # runs beside the Mamba mixer, which stands as the layer's mixer
 
     def embedding(self, backbone):
         return _Scaled(backbone.embed_tokens, backbone.embedding_multiplier)

@@ -133,8 +133,9 @@ def check_model(model: nn.Module) -> None:
     backbone = adapter.backbone(model)
     not_called = [model, backbone]
     for i, layer in enumerate(backbone.layers[: model.config.num_hidden_layers]):
-        mixer_module, _ = adapter.mixer(layer, adapter.layer_type(model, i))
-        not_called += [layer, mixer_module]
+        layer_type = adapter.layer_type(model, i)
+        mixer_module, _ = adapter.mixer(layer, layer_type)
+        not_called += [layer, mixer_module, *adapter.uncalled_modules(layer, layer_type)]
         conv = getattr(mixer_module, "conv1d", None)
         if conv is not None and (type(conv) is not nn.Conv1d or hooked(conv)):
             raise ValueError(
