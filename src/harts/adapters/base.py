@@ -153,6 +153,17 @@ TINY_COMMON = dict(
 )  # fmt: skip
 
 
+class Scaled:
+    """A module's output times a constant: an embedding multiplier, or a logit multiplier folded into
+    the final norm's output (exact for a head without bias)."""
+
+    def __init__(self, module, factor: float):
+        self.module, self.factor = module, factor
+
+    def __call__(self, x):
+        return self.module(x) * self.factor
+
+
 def require(family: str, obj, *names: str) -> None:
     """ValueError naming ``family`` and what ``obj`` (a module or config) lacks among ``names``."""
     missing = [name for name in names if not hasattr(obj, name)]

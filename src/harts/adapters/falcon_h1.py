@@ -33,7 +33,7 @@ from functools import partial
 
 import torch
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, TreeOps, hf_function, register, require
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, Scaled, TreeOps, hf_function, register, require
 from harts.adapters.mixers import mamba2_mixer
 
 __all__ = ["FalconH1Adapter", "falcon_h1_attention"]
@@ -44,17 +44,6 @@ _MAMBA = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "out_proj"
           "ssm_state_size", "intermediate_size", "n_groups", "conv_dim", "time_step_limit", "mamba_rms_norm",
           "ssm_in_multiplier", "mup_vector")  # fmt: skip
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "key_multiplier")
-
-
-class _Scaled:
-    """A module's output times a constant (the embedding multiplier; the LM-head multiplier folded
-    into the final norm's output)."""
-
-    def __init__(self, module, factor: float):
-        self.module, self.factor = module, factor
-
-    def __call__(self, x):
-        return self.module(x) * self.factor
 
 
 def falcon_h1_attention(attn, x, ctx: TreeOps) -> torch.Tensor:
@@ -105,10 +94,10 @@ class FalconH1Adapter(FamilyAdapter):
         return [layer.self_attn]  # runs beside the Mamba mixer, which stands as the layer's mixer
 
     def embedding(self, backbone):
-        return _Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
+        return Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
 
     def final_norm(self, backbone):
-        return _Scaled(backbone.final_layernorm, backbone.lm_head_multiplier)
+        return Scaled(backbone.final_layernorm, backbone.lm_head_multiplier)
 
     def layer_type(self, model, index):
         return "hybrid"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, Scaled, register, require
 from harts.adapters.mixers import gqa_attention, mamba2_mixer
 
 __all__ = ["GraniteMoeHybridAdapter"]
@@ -38,17 +38,6 @@ _MAMBA = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "norm", "o
           "head_dim", "ssm_state_size", "intermediate_size", "n_groups", "conv_dim",
           "time_step_limit")  # fmt: skip
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")
-
-
-class _Scaled:
-    """A module's output times a constant (the embedding multiplier; the logits scaling folded
-    into the final norm's output)."""
-
-    def __init__(self, module, factor: float):
-        self.module, self.factor = module, factor
-
-    def __call__(self, x):
-        return self.module(x) * self.factor
 
 
 class GraniteMoeHybridAdapter(FamilyAdapter):
@@ -79,10 +68,10 @@ class GraniteMoeHybridAdapter(FamilyAdapter):
                 require("granitemoehybrid", layer.self_attn, *_ATTENTION)
 
     def embedding(self, backbone):
-        return _Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
+        return Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
 
     def final_norm(self, backbone):
-        return _Scaled(backbone.norm, 1.0 / backbone.config.logits_scaling)
+        return Scaled(backbone.norm, 1.0 / backbone.config.logits_scaling)
 
     def layer_type(self, model, index):
         # Mamba layers are "mamba" or "linear_attention" depending on the transformers version
