@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import harts
-from harts.bench.cases import BenchConfig, build_case, make_trajectories, variant_fns
+from harts.bench.cases import BenchConfig, build_case, flat_budgets, make_trajectories, variant_fns
 from harts.bench.flops import flop_model, forest_flops, ideal_speedup
 from harts.bench.memory import measure_peak, tensor_peak_bytes
 from harts.bench.report import markdown, write_outputs
@@ -84,9 +84,35 @@ def test_flat_baseline_under_a_budget_never_cuts_a_trajectory():
     assert fns["flat_whole"]().num_micro_batches == 1
     assert fns["tree"]().num_cuts > 0
     row = run_case(cfg, "llama", "agentic")
-    best = min(("flat", "flat_whole"), key=lambda n: row["variants"][n]["time_s"])
+    flats = [n for n in row["variants"] if n.startswith("flat")]
+    assert {"flat", "flat_whole"} <= set(flats)
+    best = min(flats, key=lambda n: row["variants"][n]["time_s"])
     assert row["flat_best"] == best
     assert row["achieved_speedup"] == row["variants"][best]["time_s"] / row["variants"]["tree"]["time_s"]
+
+
+def test_flat_baseline_is_timed_at_every_distinct_budget():
+    """The flat layout also runs at ``flat_budgets``; budgets that give the same micro-batches as
+    another flat variant (the tree's budget, or one holding the whole flat forest) run once."""
+    base = dict(families=("llama",), shapes=("agentic",), quick=True, memory=False, peers=False, threads=1)
+    cfg = BenchConfig(**base, run=harts.RunConfig(budget_tokens=16), flat_budgets=(16, 160, 10**9)).resolved()
+    case = build_case(cfg, "llama", "agentic")
+    longest = int(case.flat.trajectory_length.max())
+    assert 16 < longest < 160 < case.flat.num_tokens
+    assert flat_budgets(cfg, case.flat) == {"flat": 16, "flat_whole": None, "flat_160": 160}
+    fns, _ = variant_fns(case, cfg)
+    assert [n for n in fns if n.startswith("flat")] == ["flat", "flat_whole", "flat_160"]
+    at_160 = fns["flat_160"]()
+    assert at_160.num_cuts == 0 and 1 < at_160.num_micro_batches < fns["flat"]().num_micro_batches
+    assert max(at_160.tokens_per_micro_batch) <= 160
+    unbudgeted = BenchConfig(**base, flat_budgets=(160,)).resolved()
+    assert flat_budgets(unbudgeted, case.flat) == {"flat": None, "flat_160": 160}
+    row = run_case(unbudgeted, "llama", "agentic")
+    assert row["flat_best"] in ("flat", "flat_160")
+    assert row["flat_best_budget"] == {"flat": None, "flat_160": 160}[row["flat_best"]]
+    assert "| flat best (budget) |" in markdown({**run(unbudgeted, log=lambda _: None)})
+    with pytest.raises(ValueError, match="flat budgets"):
+        BenchConfig(flat_budgets=(0,)).resolved()
 
 
 @pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])

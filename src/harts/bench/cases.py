@@ -8,9 +8,12 @@ the same kernels), stock per-trajectory training, and the peers where they apply
 
 The flat layout runs as a good flat trainer runs: micro-batches of whole trajectories packed up to
 the budget (a trajectory longer than the budget alone in its micro-batch, never cut: verl's and
-TRL's token budgets must hold the longest sequence), each run forward and backward once. Under a
-budget it also runs without one (``flat_whole``, one micro-batch), and the benchmark compares the
-tree against the faster of the two: flat at its best budget.
+TRL's token budgets must hold the longest sequence), each run forward and backward once. It runs
+at the tree's budget (``flat``), without one (``flat_whole``, one micro-batch) and at each of
+``BenchConfig.flat_budgets`` (``flat_<B>``), and the benchmark compares the tree against the
+fastest of them: flat at its best budget, the strongest flat baseline. Whatever the tree's budget:
+one huge flat micro-batch is slower per FLOP than several cache-sized ones, and a comparison
+against it alone would flatter the tree.
 
 Objective: the SFT sum of every trajectory's next-token log-probs (``Normalizers`` of 1, so the
 peers' and the stock step's sums compare directly); one *step* = its forward and backward.
@@ -21,6 +24,7 @@ peers' and the stock step's sums compare directly); one *step* = its forward and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,8 +38,8 @@ from harts.runtime.config import RunConfig
 from harts.testing import FAMILIES, tiny_model
 
 __all__ = [
-    "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "FLAT_VARIANTS",
-    "make_trajectories",
+    "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "flat_budgets",
+    "is_flat_variant", "make_trajectories",
 ]  # fmt: skip
 
 SHAPES = ("star", "agentic", "paper_like", "deep", "random")
@@ -88,6 +92,8 @@ class BenchConfig:
     peers: bool = True
     step: str = "forest_step"  # key of STEPS
     run: RunConfig = field(default_factory=RunConfig)  # budget and plan knobs, the same for tree and flat
+    # more budgets the flat layout runs at (besides the tree's and none): its best one is the baseline
+    flat_budgets: tuple[int, ...] = (1024, 4096)
     device: str = "cpu"
     seed: int = 0
     quick: bool = False
@@ -104,6 +110,8 @@ class BenchConfig:
             raise ValueError(f"model_size must be 'small' or 'tiny', got {self.model_size!r}")
         if self.repeats < 1 or self.scale <= 0:
             raise ValueError(f"need repeats >= 1 and scale > 0, got {self.repeats}, {self.scale}")
+        if any(b < 1 for b in self.flat_budgets):
+            raise ValueError(f"flat budgets must be positive token counts, got {self.flat_budgets}")
         cfg = dataclasses.replace(self)
         if cfg.quick:
             cfg.repeats, cfg.model_size, cfg.scale = 1, "tiny", min(cfg.scale, 0.01)
@@ -205,25 +213,50 @@ def flat_run(run: RunConfig, flat: Forest) -> RunConfig:
     return dataclasses.replace(run, budget_tokens=max(run.budget_tokens, longest))
 
 
-FLAT_VARIANTS = ("flat", "flat_whole")
+def is_flat_variant(name: str) -> bool:
+    """``flat`` (at the tree's budget), ``flat_whole`` (no budget) or ``flat_<B>`` (budget B)."""
+    return name == "flat" or name.startswith("flat_")
+
+
+def flat_budgets(cfg: BenchConfig, flat: Forest) -> dict[str, int | None]:
+    """The flat variants of a case by name, each with its budget (None: one micro-batch).
+
+    A budget that holds the whole flat forest runs it as one micro-batch, the same step as no
+    budget, so only distinct micro-batch plans are timed.
+    """
+
+    def effective(budget: int | None) -> int | None:
+        if budget is None or budget >= flat.num_tokens:
+            return None
+        return flat_run(RunConfig(budget_tokens=budget), flat).budget_tokens
+
+    budgets: dict[str, int | None] = {"flat": cfg.run.budget_tokens}
+    seen = {effective(cfg.run.budget_tokens)}
+    if None not in seen:
+        budgets["flat_whole"] = None
+        seen.add(None)
+    for b in sorted(set(cfg.flat_budgets)):
+        if effective(b) not in seen:
+            budgets[f"flat_{b}"] = b
+            seen.add(effective(b))
+    return budgets
 
 
 def variant_fns(case: Case, cfg: BenchConfig) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """(runnable variants by name, skipped variants with the reason) for one case.
 
     The tree and flat variants return a :class:`harts.StepResult`; the others their loss tensor.
-    ``flat_whole`` (the flat layout without a budget) runs only when the config has a budget.
+    The flat variants are those of :func:`flat_budgets`, each under the run config with its budget
+    (raised to the longest trajectory where needed, :func:`flat_run`).
     """
     step, device = STEPS[cfg.step], torch.device(cfg.device)
-    flat = flat_run(cfg.run, case.flat)
     fns: dict[str, Callable[[], object]] = {
         "tree": lambda: step(case.model, case.tree, case.tree_rows, cfg.run),
-        "flat": lambda: step(case.model, case.flat, case.flat_rows, flat),
-        "stock": lambda: stock_step(case.model, case.trajectories, device),
     }
-    if cfg.run.budget_tokens is not None:
-        whole = dataclasses.replace(cfg.run, budget_tokens=None)
-        fns["flat_whole"] = lambda: step(case.model, case.flat, case.flat_rows, whole)
+    for name, budget in flat_budgets(cfg, case.flat).items():
+        run = flat_run(dataclasses.replace(cfg.run, budget_tokens=budget), case.flat)
+        fns[name] = functools.partial(step, case.model, case.flat, case.flat_rows, run)
+    fns["stock"] = lambda: stock_step(case.model, case.trajectories, device)
     skipped: dict[str, str] = {}
     if cfg.peers:
         from harts.bench import peers  # lazy: the peers are optional packages

@@ -3,7 +3,8 @@
 For each model family (small random configs) and each shape (star, agentic, paper_like, deep,
 random) it reports: the redundancy R; the FLOP-ideal speedup (:mod:`harts.bench.flops`); the
 achieved speedup of the tree layout over the flat layout at its best budget (packed whole
-trajectories through the same kernels, :mod:`harts.bench.cases`); the speedup over stock Hugging
+trajectories through the same kernels, timed at the tree's budget, without one and at
+``--flat-budgets``, :mod:`harts.bench.cases`); the speedup over stock Hugging
 Face training of each trajectory on its own; peak memory of each (live-tensor peak, and on the CPU
 the resident-set peak too); calls per linear-attention layer; and, on full-attention families and
 the one-prefix shape, the peers PrefixGrouper and flash-pref (:mod:`harts.bench.peers`). Cases
@@ -32,11 +33,12 @@ from torch import nn
 
 from harts.bench.cases import (
     DEFAULT_FAMILIES,
-    FLAT_VARIANTS,
     SHAPES,
     STEPS,
     BenchConfig,
     build_case,
+    flat_budgets,
+    is_flat_variant,
     variant_fns,
 )
 from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
@@ -110,7 +112,7 @@ def run_case(cfg: BenchConfig, family: str, shape: str) -> dict:
     fm = flop_model(case.model)
     flops_tree, flops_flat = forest_flops(fm, case.tree), forest_flops(fm, case.flat)
     fns, skipped = variant_fns(case, cfg)
-    peers = tuple(n for n in fns if n not in ("tree", "stock", *FLAT_VARIANTS))
+    peers = tuple(n for n in fns if n not in ("tree", "stock") and not is_flat_variant(n))
     times, results, failed = time_variants(case.model, fns, cfg.repeats, cfg.warmup, cfg.device, peers)
     skipped.update(failed)
     stock_loss = _loss(results["stock"])
@@ -137,7 +139,7 @@ def run_case(cfg: BenchConfig, family: str, shape: str) -> dict:
                 v.update(measure_peak(cfg, family, shape, name))
     t = {name: v.get("time_s") for name, v in variants.items()}
     ideal = flops_flat / flops_tree
-    flat_best = min((n for n in FLAT_VARIANTS if t.get(n) is not None), key=lambda n: t[n])
+    flat_best = min((n for n in t if is_flat_variant(n) and t[n] is not None), key=lambda n: t[n])
     achieved = t[flat_best] / t["tree"]
     return dict(
         family=family,
@@ -151,6 +153,7 @@ def run_case(cfg: BenchConfig, family: str, shape: str) -> dict:
         flops_flat=flops_flat,
         ideal_speedup=ideal,
         flat_best=flat_best,
+        flat_best_budget=flat_budgets(cfg, case.flat).get(flat_best),
         achieved_speedup=achieved,
         fraction_of_ideal=achieved / ideal,
         speedup_vs_stock=t["stock"] / t["tree"],
@@ -216,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
                    help="recompute linear-attention calls in backward (less memory, more time)")
     p.add_argument("--hold-tokens", type=int, default=0,
                    help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards)")
+    p.add_argument("--flat-budgets", type=int, nargs="*", default=list(BenchConfig.flat_budgets),
+                   help="more budgets the flat layout runs at; the fastest flat run is the baseline")
     p.add_argument("--step", choices=sorted(STEPS), default="forest_step")
     a = p.parse_args(argv)
     run_config = RunConfig(
@@ -235,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
         quick=a.quick,
         run=run_config,
         step=a.step,
+        flat_budgets=tuple(a.flat_budgets),
     )
     return cfg, a.out
 
