@@ -20,8 +20,8 @@ from hypothesis import given, settings
 import harts
 from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
-from harts.plan.chunk_tree import ChunkTreePlan, chunk_tree_plan
-from harts.plan.waves import LinearCostModel, PlanMode, chain_plan, min_calls, plan_linear
+from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan, chunk_tree_shape
+from harts.plan.waves import LinearCostModel, LinearPlan, PlanMode, chain_plan, min_calls, plan_linear
 from tests.test_forest import forests
 from tests.test_ops_tree import FORESTS
 
@@ -55,14 +55,16 @@ def _fewest(forest) -> int:
 
 
 CALL_MODES = [m for m in PlanMode if m is not PlanMode.TREE]  # the plans made of calls
+CALLS_ONLY = LinearCostModel(consider_chunk_tree=False)  # AUTO among plans of calls
 
 
 def all_plans(forest) -> dict[str, object]:
     """Every call plan the planner can make for ``forest``, by name (chunk trees: chunk_trees)."""
-    plans = {mode.value: plan_linear(forest, mode, bucket=False) for mode in CALL_MODES}
-    plans["auto-dear-calls"] = plan_linear(forest, "auto", LinearCostModel(call_cost=1e9), bucket=False)
+    plans = {mode.value: plan_linear(forest, mode, CALLS_ONLY, bucket=False) for mode in CALL_MODES}
+    dear_calls = LinearCostModel(call_cost=1e9, consider_chunk_tree=False)
+    plans["auto-dear-calls"] = plan_linear(forest, "auto", dear_calls, bucket=False)
     for mode in CALL_MODES:  # the same plans split into calls of similar segment lengths
-        plans[f"bucketed-{mode.value}"] = plan_linear(forest, mode)
+        plans[f"bucketed-{mode.value}"] = plan_linear(forest, mode, CALLS_ONLY)
     for budget in range(_fewest(forest), forest.max_depth + 2):
         plans[f"chain-K{budget}"] = chain_plan(forest, max_calls=budget)
     return plans
@@ -220,6 +222,45 @@ def test_auto_picks_the_cheapest_candidate(name):
     assert plans["depth"].padded_tokens == sum(int(c.token_index.numel()) for c in plans["depth"].calls) - (
         forest.num_tokens
     )
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_auto_weighs_the_chunk_tree_against_the_calls(name):
+    """AUTO returns the chunk tree at its cheapest chunk exactly when the model costs it below the
+    best plan of calls; a model with dear calls always picks it, one with a dear chunk tree never."""
+    forest = harts.build_forest(SHAPES[name])
+    model = LinearCostModel()
+    calls = plan_linear(forest, "auto", CALLS_ONLY)
+    chunk, tree_cost = choose_chunk(forest, model)
+    shapes = {c: chunk_tree_shape(forest, c) for c in model.chunk_sizes}
+    assert tree_cost == min(model.chunk_tree(*shapes[c], c) for c in model.chunk_sizes)
+    built = chunk_tree_plan(forest, chunk)
+    assert (built.num_chunks, built.scan_steps) == shapes[chunk]
+    assert built.cost == tree_cost
+    auto = plan_linear(forest, "auto", model)
+    if tree_cost < model.chunk_tree_margin * model.plan(calls):
+        assert isinstance(auto, ChunkTreePlan) and auto.chunk_size == chunk
+    else:
+        assert isinstance(auto, LinearPlan) and auto.num_calls == calls.num_calls
+    assert isinstance(plan_linear(forest, "auto", LinearCostModel(call_cost=1e12)), ChunkTreePlan)
+    assert isinstance(plan_linear(forest, "auto", LinearCostModel(tree_call_cost=1e12)), LinearPlan)
+
+
+def test_a_call_backend_keeps_auto_to_plans_of_calls():
+    """Under a backend whose kernels run calls (fla on a GPU), the layout's AUTO never picks the
+    plain-PyTorch chunk tree; under the default backend it may."""
+    from harts.ops.backends import Backend, register_backend, use_backend
+    from harts.ops.delta_rule import chunked_gated_delta_rule
+    from harts.ops.tree_attention import tree_attention
+    from harts.runtime.config import RunConfig
+    from harts.runtime.executor import layout_for
+
+    forest = harts.build_forest(SHAPES["binary-D3"])
+    run = RunConfig(cost_model=LinearCostModel(call_cost=1e12))
+    assert isinstance(layout_for(forest, "cpu", run).linear_plan, ChunkTreePlan)
+    register_backend("calls-only-test", lambda: Backend("calls-only-test", chunked_gated_delta_rule, tree_attention))
+    with use_backend("calls-only-test"):
+        assert isinstance(layout_for(forest, "cpu", run).linear_plan, LinearPlan)
 
 
 def test_bad_mode_and_budget_are_refused():

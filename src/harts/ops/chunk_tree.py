@@ -24,8 +24,8 @@ __all__ = ["chunk_tree_gated_delta_rule", "chunk_tree_gated_linear_attention"]
 class _TreeStateScan(torch.autograd.Function):
     """S_start[m] = states[source[m]], S_end[m] = T[m] S_start[m] + D[m], level by level.
 
-    trans [M, H, K, K], drive [M, H, K, V], initial [R, H, K, V] -> (starts [M, H, K, V],
-    ends [M, H, K, V]). The states buffer holds the R initial states, then the M end states; a
+    trans [M, H, K, K] (or its diagonal [M, H, K], applied elementwise), drive [M, H, K, V],
+    initial [R, H, K, V] -> (starts [M, H, K, V], ends [M, H, K, V]). The states buffer holds the R initial states, then the M end states; a
     chunk's source row is filled by an earlier level. Backward runs the adjoint up the tree: a
     chunk's end-state gradient is complete once every chunk of the next levels has added its
     start-state gradient to its source.
@@ -34,17 +34,21 @@ class _TreeStateScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, trans, drive, initial, source, levels):
         r = initial.shape[0]
+        diagonal = trans.dim() == drive.dim() - 1  # [M, H, K]: a decay per key channel
         buf = torch.empty((r + trans.shape[0], *drive.shape[1:]), dtype=drive.dtype, device=drive.device)
         buf[:r] = initial
         starts = torch.empty_like(drive)
         for idx in levels:
             s0 = buf.index_select(0, source[idx])
             starts[idx] = s0
-            buf[r + idx] = torch.baddbmm(
-                drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1)
-            ).view_as(s0)
+            if diagonal:
+                buf[r + idx] = torch.addcmul(drive[idx], trans[idx][..., None], s0)
+            else:
+                buf[r + idx] = torch.baddbmm(
+                    drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1)
+                ).view_as(s0)
         ctx.save_for_backward(trans, starts, source)
-        ctx.levels, ctx.r = levels, r
+        ctx.levels, ctx.r, ctx.diagonal = levels, r, diagonal
         return starts, buf[r:]
 
     @staticmethod
@@ -58,8 +62,12 @@ class _TreeStateScan(torch.autograd.Function):
         grad_trans = torch.empty_like(trans)
         for idx in reversed(ctx.levels):
             g_end = grad[r + idx]  # complete: every reader of this end state is in a later level
-            grad_trans[idx] = g_end @ starts[idx].transpose(-1, -2)
-            g_start = trans[idx].transpose(-1, -2) @ g_end
+            if ctx.diagonal:
+                grad_trans[idx] = (g_end * starts[idx]).sum(-1)
+                g_start = trans[idx][..., None] * g_end
+            else:
+                grad_trans[idx] = g_end @ starts[idx].transpose(-1, -2)
+                g_start = trans[idx].transpose(-1, -2) @ g_end
             if grad_starts is not None:
                 g_start = g_start + grad_starts[idx]
             grad.index_add_(0, source[idx], g_start)
@@ -80,7 +88,7 @@ def _tokens(o: torch.Tensor, plan: ChunkTreePlan) -> torch.Tensor:
 
 def _scan(trans, drive, initial, plan: ChunkTreePlan):
     """Chunk-start states [1, H, M, K, V] and end states [M, H, K, V] down the chunk tree."""
-    t = trans[0].transpose(0, 1)  # [M, H, K, K]
+    t = trans[0].transpose(0, 1)  # [M, H, K, K], or [M, H, K] for a diagonal map
     d = drive[0].transpose(0, 1)  # [M, H, K, V]
     starts, ends = _TreeStateScan.apply(t, d, initial.float(), plan.source, plan.levels)
     return starts.transpose(0, 1)[None], ends
@@ -121,7 +129,6 @@ def chunk_tree_gated_linear_attention(q, k, v, g, plan: ChunkTreePlan, initial_s
     P, _ = _intra_chunk_scores(q, k, g)
     G = g.cumsum(-2)
     Kd_t = (k * torch.exp(_exclusive_suffix_sum(g, -2))).transpose(-1, -2)
-    trans = torch.diag_embed(torch.exp(G[..., -1, :]))
-    S0, ends = _scan(trans, Kd_t @ v, initial_state, plan)
+    S0, ends = _scan(torch.exp(G[..., -1, :]), Kd_t @ v, initial_state, plan)  # diagonal state map
     o = (q * torch.exp(G)) @ S0 + P @ v
     return _tokens(o, plan).to(out_dtype), ends

@@ -106,18 +106,26 @@ class _StateScan(torch.autograd.Function):
     recurrence g_n = T_n^T g_{n+1} + dS0_n in one backward call.
     trans [B, H, N, K, K], drive [B, H, N, K, V], initial [B, H, K, V] ->
     (starts [B, H, N, K, V]: S_0 .. S_{N-1}, final S_N [B, H, K, V]).
+    A diagonal T (gated linear attention: a decay per key channel) is passed as its diagonal
+    [B, H, N, K] and applied elementwise: K times less work than the K x K product, which
+    matters where K is large against V (Mamba's selective scan has V = 1).
     """
 
     @staticmethod
     def forward(ctx, trans, drive, initial):
         n_chunks = trans.shape[2]
+        diagonal = trans.dim() == drive.dim() - 1
         starts = drive.new_empty(drive.shape)
         S = initial
         for n in range(n_chunks):
             starts[:, :, n] = S
-            S = torch.baddbmm(drive[:, :, n].flatten(0, 1), trans[:, :, n].flatten(0, 1),
-                              S.flatten(0, 1)).view_as(S)
+            if diagonal:
+                S = torch.addcmul(drive[:, :, n], trans[:, :, n, :, None], S)
+            else:
+                S = torch.baddbmm(drive[:, :, n].flatten(0, 1), trans[:, :, n].flatten(0, 1),
+                                  S.flatten(0, 1)).view_as(S)
         ctx.save_for_backward(trans, starts)
+        ctx.diagonal = diagonal
         return starts, S
 
     @staticmethod
@@ -130,8 +138,12 @@ class _StateScan(torch.autograd.Function):
         grad_drive = torch.empty_like(starts)
         for n in range(n_chunks - 1, -1, -1):
             grad_drive[:, :, n] = g
-            grad_trans[:, :, n] = g @ starts[:, :, n].transpose(-1, -2)
-            g = trans[:, :, n].transpose(-1, -2) @ g
+            if ctx.diagonal:
+                grad_trans[:, :, n] = (g * starts[:, :, n]).sum(-1)
+                g = trans[:, :, n, :, None] * g
+            else:
+                grad_trans[:, :, n] = g @ starts[:, :, n].transpose(-1, -2)
+                g = trans[:, :, n].transpose(-1, -2) @ g
             if grad_starts is not None:
                 g = g + grad_starts[:, :, n]
         return grad_trans, grad_drive, g

@@ -12,7 +12,8 @@ the k v^T term too.
 
 Chunked like :mod:`harts.ops.delta_rule` and sharing its pieces: inside a chunk the decay-weighted
 scores come from the same overflow-free binary split (``_intra_chunk_scores``), the chunk-to-chunk
-state recurrence S_{n+1} = diag(last_n) S_n + D_n runs in the same hand-written-adjoint scan, and the
+state recurrence S_{n+1} = diag(last_n) S_n + D_n runs in the same hand-written-adjoint scan (given the
+diagonal, applied elementwise), and the
 states at inner offsets are replayed from chunk-start states by the same gather. Without the
 delta term there is no triangular solve: o = (q * e^G) S0 + P v, S_next = diag(e^G_last) S0 +
 (k * e^{suffix})^T v.
@@ -77,7 +78,7 @@ def chunked_gated_linear_attention(
     G = g.cumsum(-2)
     Qg = q * torch.exp(G)
     Kd = k * torch.exp(_exclusive_suffix_sum(g, -2))  # decay from j to the chunk's end
-    trans = torch.diag_embed(torch.exp(G[..., -1, :]))  # [B, H, N, K, K]
+    trans = torch.exp(G[..., -1, :])  # [B, H, N, K]: the diagonal of the chunk's state map
     drive = Kd.transpose(-1, -2) @ v  # [B, H, N, K, V]
     if initial_state is None:
         S_init = torch.zeros(B, H, K, V, device=k.device, dtype=torch.float32)

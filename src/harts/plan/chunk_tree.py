@@ -12,8 +12,9 @@ the small state recurrence S_end = T S_start + D runs level by level down the ch
 every chunk at that depth. Each node ends at a chunk boundary, so every node's final state is a
 chunk's end state, with no replay.
 
-The price is padding: each node is padded to whole chunks, so short nodes want short chunks.
-:func:`chunk_tree_plan` picks the chunk that minimises padded slots plus a cost per sequential step.
+The price is padding: each node is padded to whole chunks, so short nodes want short chunks, while
+long nodes want long ones (fewer chunks and scan levels). :func:`chunk_tree_plan` picks the chunk
+the cost model (:mod:`harts.plan.linear_cost`) finds cheapest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
+from harts.plan.linear_cost import LinearCostModel
 
 __all__ = ["ChunkTreePlan", "chunk_tree_plan"]
 
@@ -68,6 +70,11 @@ class ChunkTreePlan:
     def padded_tokens(self) -> int:
         return self.token_index.numel() - self.num_tokens
 
+    @property
+    def cost(self) -> float:
+        """Estimated cost (microseconds) under the default :class:`LinearCostModel`."""
+        return LinearCostModel().chunk_tree(self.num_chunks, self.scan_steps, self.chunk_size)
+
     def to(self, device) -> ChunkTreePlan:
         return ChunkTreePlan(
             self.chunk_size, self.token_index.to(device), self.source.to(device),
@@ -76,23 +83,25 @@ class ChunkTreePlan:
         )  # fmt: skip
 
 
-#: Chunk sizes tried, and the cost of one sequential step of the chunk-tree scan in padded token
-#: slots (the slots a step's fixed cost would compute): fitted on CPU, fwd + bwd of the delta rule.
-CHUNK_SIZES = (8, 16, 32, 64)
-STEP_SLOTS = 48
-
-
-def choose_chunk(forest: Forest, step_slots: float = STEP_SLOTS) -> int:
-    """The chunk minimising padded slots + ``step_slots`` x sequential steps (ties: the larger)."""
+def chunk_tree_shape(forest: Forest, chunk_size: int) -> tuple[int, int]:
+    """(chunks, scan levels) of ``forest``'s chunk tree at ``chunk_size``, without building it."""
     lengths = forest.node_length.numpy()
-    best = None
-    for c in CHUNK_SIZES:
-        per_node = np.maximum(1, np.ceil(lengths / c)).astype(np.int64)
-        steps = _chunk_depths(forest, per_node).max() + 1 if lengths.size else 1
-        cost = per_node.sum() * c + step_slots * steps
-        if best is None or cost <= best[0]:
-            best = (cost, c)
-    return best[1]
+    if not lengths.size:
+        return 0, 1
+    per_node = np.maximum(1, np.ceil(lengths / chunk_size)).astype(np.int64)
+    return int(per_node.sum()), int(_chunk_depths(forest, per_node).max()) + 1
+
+
+def choose_chunk(forest: Forest, cost_model: LinearCostModel | None = None) -> tuple[int, float]:
+    """The chunk with the cheapest chunk tree under ``cost_model`` (ties: the larger), and its cost.
+
+    Short nodes want short chunks (each node pads to whole chunks), long ones long chunks (fewer
+    chunks, fewer scan levels).
+    """
+    model = cost_model or LinearCostModel()
+    costs = {c: model.chunk_tree(*chunk_tree_shape(forest, c), c) for c in model.chunk_sizes}
+    best = min(costs, key=lambda c: (costs[c], -c))
+    return best, costs[best]
 
 
 def _chunk_depths(forest: Forest, per_node: np.ndarray) -> np.ndarray:
@@ -105,9 +114,12 @@ def _chunk_depths(forest: Forest, per_node: np.ndarray) -> np.ndarray:
     return last
 
 
-def chunk_tree_plan(forest: Forest, chunk_size: int | None = None) -> ChunkTreePlan:
-    """The chunk tree of ``forest`` (nodes in forest order, parents before children)."""
-    c = chunk_size or choose_chunk(forest)
+def chunk_tree_plan(
+    forest: Forest, chunk_size: int | None = None, cost_model: LinearCostModel | None = None
+) -> ChunkTreePlan:
+    """The chunk tree of ``forest`` (nodes in forest order, parents before children); the chunk is
+    ``chunk_size``, or the one ``cost_model`` (default: :class:`LinearCostModel`) finds cheapest."""
+    c = chunk_size or choose_chunk(forest, cost_model)[0]
     if c < 1 or c & (c - 1):
         raise ValueError(f"chunk_size must be a power of two, got {c}")
     lengths = forest.node_length.numpy().astype(np.int64)

@@ -13,10 +13,13 @@ produced by an earlier call.
   then follow from one post-order pass (:func:`min_calls`, the Horton-Strahler order), at most
   log2(leaves) + 1 against the depth plus one of the depth plan. With a call budget K, chains
   continue only where the budget forces them: plans between the two extremes.
-- ``plan_linear``: depth, fewest-calls chain, or for ``"auto"`` the plan that
-  :class:`LinearCostModel` says is cheapest among depth, fewest-calls and every budget between.
-  Fewer calls are not always faster: a chain segment pads every other segment of its call to its
-  own length, and its chunk steps run one after the other.
+- ``plan_linear``: depth, fewest-calls chain, the one-call chunk tree
+  (:mod:`harts.plan.chunk_tree`), or for ``"auto"`` the plan that :class:`LinearCostModel`
+  (:mod:`harts.plan.linear_cost`) says is cheapest among depth, fewest-calls, every budget
+  between, and the chunk tree. Fewer calls are not always faster: a chain segment pads every other
+  segment of its call to its own length, and its chunk steps run one after the other; the chunk
+  tree has no per-call cost but pads every node to whole chunks, so it wins on forests of many
+  short nodes and loses on long flat segments.
 
 What this leaves out: placing a chain later than its parent allows (it always starts one call
 after its parent's chain), and packing several short segments into one row of a call.
@@ -32,7 +35,8 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
-from harts.plan.chunk_tree import ChunkTreePlan, chunk_tree_plan
+from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan
+from harts.plan.linear_cost import LinearCostModel
 
 __all__ = [
     "LinearCall",
@@ -51,7 +55,7 @@ __all__ = [
 class PlanMode(StrEnum):
     """How :func:`plan_linear` cuts a forest into calls."""
 
-    AUTO = "auto"  # the cheaper of DEPTH and CHAIN under the cost model
+    AUTO = "auto"  # the cheapest of DEPTH, CHAIN (any call budget) and TREE under the cost model
     DEPTH = "depth"  # one call per depth level, one node per segment
     CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
     TREE = "tree"  # one call: every node cut into chunks, chained down the chunk tree
@@ -132,64 +136,6 @@ class LinearCall:
             self.boundary_offsets[keep],
             chunk_size,
         )
-
-
-@dataclass(frozen=True)
-class LinearCostModel:
-    """Estimated time (microseconds) of a plan's calls through the chunked kernel, fwd + bwd.
-
-    A call of W segments padded to T tokens, run with chunk C (N = ceil(T / C) chunks), costs
-
-    - ``W * N * C * (slot_cost + slot_cost_per_chunk * C)``: every token slot, padding included
-      (the kernel pads to whole chunks); the intra-chunk work per slot grows with C;
-    - ``segment_chunk_cost * W * N``: per segment and chunk, the [K, K] / [K, V] state products;
-    - ``step_cost * N``: the state recurrence runs chunk after chunk (a Python step each);
-    - ``boundary_cost * C * W * S``: each emitted inner state replays part of one chunk;
-    - ``call_cost``: gathers, per-call setup, kernel launches.
-
-    :meth:`chunk_for` picks the chunk (a power of two in ``chunk_sizes``) that minimises this: long
-    single segments want fewer steps, wide calls of short segments less padding and intra-chunk
-    work. Defaults: least-squares fit (relative error) of fwd+bwd of ``chunked_gated_delta_rule``
-    on one CPU thread, H = 4, K = V = 32, over W in 1-64, T in 16-1024, C in 8-64; typical error
-    20-30%. On a GPU slots are nearly free until the device is full and calls and steps dominate:
-    refit there before trusting AUTO.
-    """
-
-    chunk_sizes: tuple[int, ...] = (8, 16, 32, 64)
-    slot_cost: float = 7.6
-    slot_cost_per_chunk: float = 0.29
-    segment_chunk_cost: float = 132.0
-    step_cost: float = 138.0
-    boundary_cost: float = 2.2
-    call_cost: float = 910.0
-
-    def shape(self, w: int, t: int, s: int = 0, chunk_size: int | None = None) -> float:
-        """Cost of one call of W segments, T tokens, S inner boundaries (best chunk if None)."""
-        c = chunk_size or self.chunk_for(w, t, s)
-        steps = max(1, math.ceil(t / c))
-        slots = w * steps * c
-        return (
-            slots * (self.slot_cost + self.slot_cost_per_chunk * c)
-            + self.segment_chunk_cost * w * steps
-            + self.step_cost * steps
-            + self.boundary_cost * c * w * s
-            + self.call_cost
-        )
-
-    def chunk_for(self, w: int, t: int, s: int = 0) -> int:
-        """The cheapest chunk for a call of W segments, T tokens, S boundaries (ties: the larger)."""
-        return min(self.chunk_sizes, key=lambda c: (self.shape(w, t, s, c), -c))
-
-    @property
-    def max_chunk(self) -> int:
-        return max(self.chunk_sizes)
-
-    def call(self, call: LinearCall) -> float:
-        w, t = call.token_index.shape
-        return self.shape(w, t, call.num_boundaries, call.chunk_size)
-
-    def plan(self, plan: LinearPlan) -> float:
-        return float(sum(self.call(c) for c in plan.calls))
 
 
 @dataclass
@@ -410,6 +356,8 @@ def plan_linear(
     one O(nodes)), and builds the cheapest; ties go to fewer calls. With cheap calls (CPU) that is
     usually the least padded plan; with dear calls (GPU launches) the one with fewest calls.
     ``bucket`` then splits calls by segment length where that is cheaper (:func:`bucket_by_length`).
+    Last, unless ``cost_model.consider_chunk_tree`` is off, the chunk tree at its cheapest chunk
+    replaces that plan when its estimate is below ``cost_model.chunk_tree_margin`` times the plan's.
     """
     try:
         mode = PlanMode(mode)
@@ -424,7 +372,7 @@ def plan_linear(
     if mode is PlanMode.CHAIN:
         return finish(chain_plan(forest))
     if mode is PlanMode.TREE:
-        return chunk_tree_plan(forest)
+        return chunk_tree_plan(forest, cost_model=model)
     f, heavy = min_calls(forest)
     lengths = forest.node_length.tolist()
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
@@ -440,7 +388,11 @@ def plan_linear(
         # Splitting by length helps one-node segments most: the bucketed depth plan can win.
         depth = finish(depth_wave_plan(forest))
         if model.plan(depth) < model.plan(chosen):
-            return depth
+            chosen = depth
+    if model.consider_chunk_tree:
+        chunk, tree_cost = choose_chunk(forest, model)
+        if tree_cost < model.chunk_tree_margin * model.plan(chosen):
+            return chunk_tree_plan(forest, chunk)
     return chosen
 
 

@@ -13,12 +13,15 @@ conv inputs and states handed over by earlier micro-batches and returns what it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts.adapters import adapter_for
 from harts.forest import Forest
+from harts.ops.backends import current_backend
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, token_logprobs
 from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
@@ -197,8 +200,15 @@ def checkpointed(model: nn.Module, layer: nn.Module) -> bool:
 
 
 def layout_for(forest: Forest, device, run: RunConfig, part=None) -> TreeLayout:
-    """The layout of ``forest`` (or of one ``part`` of it) with ``run``'s planning knobs."""
-    return TreeLayout(forest, device, part, linear_mode=run.linear_plan, cost_model=run.cost_model)
+    """The layout of ``forest`` (or of one ``part`` of it) with ``run``'s planning knobs.
+
+    Under a device backend (``fla``), whose kernels run plans of calls, AUTO leaves the chunk
+    tree (plain PyTorch) out.
+    """
+    cost = run.cost_model
+    if cost.consider_chunk_tree and current_backend().name != "torch":
+        cost = dataclasses.replace(cost, consider_chunk_tree=False)
+    return TreeLayout(forest, device, part, linear_mode=run.linear_plan, cost_model=cost)
 
 
 def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> TreeOutput:
