@@ -36,8 +36,12 @@ from harts.plan.waves import LinearPlan, chain_plan, plan_linear
 
 H, K, V = 4, 32, 32
 CHUNKS = (8, 16, 32, 64)
-CALL_FIELDS = ("slot_cost", "slot_cost_per_chunk", "segment_chunk_cost", "step_cost", "boundary_cost", "call_cost")
-TREE_FIELDS = ("tree_slot_cost", "tree_slot_cost_per_chunk", "tree_chunk_cost", "tree_step_cost", "tree_call_cost")
+CALL_FIELDS = (
+    "slot_cost", "slot_cost_per_chunk", "segment_chunk_cost", "step_cost", "boundary_cost", "call_cost",
+)  # fmt: skip
+TREE_FIELDS = (
+    "tree_slot_cost", "tree_slot_cost_per_chunk", "tree_chunk_cost", "tree_step_cost", "tree_call_cost",
+)  # fmt: skip
 
 
 def _inputs(n: int, seed: int = 0):
@@ -125,10 +129,11 @@ def bench_forests(quick: bool):
 
 def measure_trees(quick: bool, repeats: int):
     rows = []
-    for name, forest in bench_forests(quick):
+    for _, forest in bench_forests(quick):
         for c in CHUNKS:
             plan = chunk_tree_plan(forest, c)
-            rows.append((tree_features(plan.num_chunks, plan.scan_steps, c), time_plan(plan, forest.num_tokens, repeats) * 1e6))
+            seconds = time_plan(plan, forest.num_tokens, repeats)
+            rows.append((tree_features(plan.num_chunks, plan.scan_steps, c), seconds * 1e6))
     return rows
 
 
@@ -192,8 +197,9 @@ def main():
         est_calls, est_tree = model.plan(calls_plan) / 1e3, model.chunk_tree(
             tree_plan.num_chunks, tree_plan.scan_steps, tree_plan.chunk_size) / 1e3
         picked = "tree" if auto.num_calls == 1 and hasattr(auto, "levels") else "calls"
-        print(f"| {name} | {forest.num_tokens} | {est_calls:.0f} / {t_calls:.0f} | {est_tree:.0f} / {t_tree:.0f} "
-              f"(C={tree_plan.chunk_size}) | {picked} | {'tree' if t_tree < t_calls else 'calls'} |")
+        print(f"| {name} | {forest.num_tokens} | {est_calls:.0f} / {t_calls:.0f} "
+              f"| {est_tree:.0f} / {t_tree:.0f} (C={tree_plan.chunk_size}) | {picked} "
+              f"| {'tree' if t_tree < t_calls else 'calls'} |")
 
 
 if __name__ == "__main__":

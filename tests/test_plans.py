@@ -258,8 +258,8 @@ def test_a_call_backend_keeps_auto_to_plans_of_calls():
     forest = harts.build_forest(SHAPES["binary-D3"])
     run = RunConfig(cost_model=LinearCostModel(call_cost=1e12))
     assert isinstance(layout_for(forest, "cpu", run).linear_plan, ChunkTreePlan)
-    register_backend("calls-only-test", lambda: Backend("calls-only-test", chunked_gated_delta_rule, tree_attention))
-    with use_backend("calls-only-test"):
+    register_backend("calls-only", lambda: Backend("calls-only", chunked_gated_delta_rule, tree_attention))
+    with use_backend("calls-only"):
         assert isinstance(layout_for(forest, "cpu", run).linear_plan, LinearPlan)
 
 

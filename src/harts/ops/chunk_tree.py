@@ -25,10 +25,10 @@ class _TreeStateScan(torch.autograd.Function):
     """S_start[m] = states[source[m]], S_end[m] = T[m] S_start[m] + D[m], level by level.
 
     trans [M, H, K, K] (or its diagonal [M, H, K], applied elementwise), drive [M, H, K, V],
-    initial [R, H, K, V] -> (starts [M, H, K, V], ends [M, H, K, V]). The states buffer holds the R initial states, then the M end states; a
-    chunk's source row is filled by an earlier level. Backward runs the adjoint up the tree: a
-    chunk's end-state gradient is complete once every chunk of the next levels has added its
-    start-state gradient to its source.
+    initial [R, H, K, V] -> (starts [M, H, K, V], ends [M, H, K, V]). The states buffer holds the
+    R initial states, then the M end states; a chunk's source row is filled by an earlier level.
+    Backward runs the adjoint up the tree: a chunk's end-state gradient is complete once every
+    chunk of the next levels has added its start-state gradient to its source.
     """
 
     @staticmethod

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
-from harts.plan.linear_cost import LinearCostModel
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 
 __all__ = ["ChunkTreePlan", "chunk_tree_plan"]
 
@@ -60,6 +60,10 @@ class ChunkTreePlan:
     @property
     def num_calls(self) -> int:
         return 1
+
+    @property
+    def mode(self) -> PlanMode:
+        return PlanMode.TREE
 
     @property
     def scan_steps(self) -> int:

@@ -1,4 +1,4 @@
-"""What a linear-attention plan costs: the cost model the planners choose by.
+"""What a linear-attention plan costs: the plan modes and the cost model the planners choose by.
 
 Both kinds of plan are costed in the same unit (microseconds of forward + backward through the
 plain-PyTorch kernels), so :func:`harts.plan.waves.plan_linear` can weigh a plan of calls
@@ -26,12 +26,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from enum import StrEnum
 
-if TYPE_CHECKING:
-    from harts.plan.waves import LinearCall, LinearPlan
+__all__ = ["LinearCostModel", "PlanMode"]
 
-__all__ = ["LinearCostModel"]
+
+class PlanMode(StrEnum):
+    """How :func:`harts.plan.waves.plan_linear` cuts a forest into calls."""
+
+    AUTO = "auto"  # the cheapest of DEPTH, CHAIN (any call budget) and TREE under the cost model
+    DEPTH = "depth"  # one call per depth level, one node per segment
+    CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
+    TREE = "tree"  # one call: every node cut into chunks, chained down the chunk tree
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,11 @@ class LinearCostModel:
     def max_chunk(self) -> int:
         return max(self.chunk_sizes)
 
-    def call(self, call: LinearCall) -> float:
+    def call(self, call) -> float:
+        """Cost of one :class:`~harts.plan.waves.LinearCall` (this module imports no plan)."""
         w, t = call.token_index.shape
         return self.shape(w, t, call.num_boundaries, call.chunk_size)
 
-    def plan(self, plan: LinearPlan) -> float:
+    def plan(self, plan) -> float:
+        """Cost of a :class:`~harts.plan.waves.LinearPlan`: the sum of its calls'."""
         return float(sum(self.call(c) for c in plan.calls))

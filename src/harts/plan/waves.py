@@ -27,16 +27,14 @@ after its parent's chain), and packing several short segments into one row of a 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 import torch
 
 from harts.forest import Forest
 from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan
-from harts.plan.linear_cost import LinearCostModel
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 
 __all__ = [
     "LinearCall",
@@ -50,15 +48,6 @@ __all__ = [
     "bucket_by_length",
     "choose_chunks",
 ]
-
-
-class PlanMode(StrEnum):
-    """How :func:`plan_linear` cuts a forest into calls."""
-
-    AUTO = "auto"  # the cheapest of DEPTH, CHAIN (any call budget) and TREE under the cost model
-    DEPTH = "depth"  # one call per depth level, one node per segment
-    CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
-    TREE = "tree"  # one call: every node cut into chunks, chained down the chunk tree
 
 
 @dataclass

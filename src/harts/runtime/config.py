@@ -26,11 +26,12 @@ class RunConfig:
     - ``context_weight``: what one context token (an ancestor read from an earlier part) counts
       against the budget of a cut part, in [0, 1]; 0.25 by default (measured: a context row costs
       about a fifth of a token's activations).
-    - ``linear_plan``: how linear-attention layers are cut into calls: ``auto`` (the cheaper under
+    - ``linear_plan``: how linear-attention layers are cut into calls: ``auto`` (the cheapest under
       ``cost_model``), ``depth`` (one call per depth level), ``chain`` (fewest calls) or ``tree``
       (one call per layer over a chunk tree, :mod:`harts.plan.chunk_tree`; the plain-PyTorch kernels
-      on every backend; opt-in).
-    - ``cost_model``: the linear-call cost model (fitted on the CPU by default; refit on a GPU).
+      on every backend, so ``auto`` considers it only under the default backend).
+    - ``cost_model``: the linear-plan cost model, :mod:`harts.plan.linear_cost` (fitted on a 2-core
+      CPU by default; refit on a GPU).
     - ``chunk_rows``: loss rows per chunk of the output head, bounding the [rows, vocab] logits.
     - ``recompute_linear``: linear-attention calls keep only their inputs for backward and run
       again there (about 30% less activation memory, 7-28% more time on the hybrid configs).
