@@ -31,17 +31,12 @@ import harts
 from harts.bench.cases import BenchConfig, make_trajectories
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
 from harts.plan.chunk_tree import chunk_tree_plan
-from harts.plan.linear_cost import LinearCostModel
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.waves import LinearPlan, chain_plan, plan_linear
 
 H, K, V = 4, 32, 32
 CHUNKS = (8, 16, 32, 64)
-CALL_FIELDS = (
-    "slot_cost", "slot_cost_per_chunk", "segment_chunk_cost", "step_cost", "boundary_cost", "call_cost",
-)  # fmt: skip
-TREE_FIELDS = (
-    "tree_slot_cost", "tree_slot_cost_per_chunk", "tree_chunk_cost", "tree_step_cost", "tree_call_cost",
-)  # fmt: skip
+call_features, tree_features = LinearCostModel.call_terms, LinearCostModel.tree_terms
 
 
 def _inputs(n: int, seed: int = 0):
@@ -137,16 +132,6 @@ def measure_trees(quick: bool, repeats: int):
     return rows
 
 
-def call_features(w, t, s, c):
-    steps = max(1, -(-t // c))
-    slots = w * steps * c
-    return [slots, slots * c, w * steps, steps, c * w * s, 1.0]
-
-
-def tree_features(chunks, levels, c):
-    return [chunks * c, chunks * c * c, chunks, levels, 1.0]
-
-
 def fit(features, times):
     """Non-negative least squares on relative error (clip negatives to zero and refit the rest)."""
     a = np.asarray(features, dtype=float) / np.asarray(times)[:, None]
@@ -176,8 +161,8 @@ def main():
     trees = measure_trees(args.quick, args.repeats)
     xc = fit([f for f, _ in calls], [t for _, t in calls])
     xt = fit([f for f, _ in trees], [t for _, t in trees])
-    fields = dict(zip(CALL_FIELDS, (float(f"{v:.3g}") for v in xc), strict=True))
-    fields |= dict(zip(TREE_FIELDS, (float(f"{v:.3g}") for v in xt), strict=True))
+    fields = dict(zip(LinearCostModel.CALL_FIELDS, (float(f"{v:.3g}") for v in xc), strict=True))
+    fields |= dict(zip(LinearCostModel.TREE_FIELDS, (float(f"{v:.3g}") for v in xt), strict=True))
     model = dataclasses.replace(LinearCostModel(), **fields)
     print(f"threads {args.threads}, {len(calls)} calls and plans of calls, {len(trees)} chunk trees")
     print("fields:", ", ".join(f"{k}={v}" for k, v in fields.items()))
@@ -196,7 +181,7 @@ def main():
         t_tree = time_plan(tree_plan, forest.num_tokens, args.repeats) * 1e3
         est_calls, est_tree = model.plan(calls_plan) / 1e3, model.chunk_tree(
             tree_plan.num_chunks, tree_plan.scan_steps, tree_plan.chunk_size) / 1e3
-        picked = "tree" if auto.num_calls == 1 and hasattr(auto, "levels") else "calls"
+        picked = "tree" if auto.mode is PlanMode.TREE else "calls"
         print(f"| {name} | {forest.num_tokens} | {est_calls:.0f} / {t_calls:.0f} "
               f"| {est_tree:.0f} / {t_tree:.0f} (C={tree_plan.chunk_size}) | {picked} "
               f"| {'tree' if t_tree < t_calls else 'calls'} |")

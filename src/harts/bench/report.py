@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harts.bench.cases import is_flat_variant
+
 __all__ = ["markdown", "write_outputs", "plot"]
 
 _PEERS = ("prefix_grouper", "flash_pref")
@@ -146,7 +148,7 @@ def markdown(results: dict) -> str:
             v.get("loss_rel_diff_vs_stock", 0.0)
             for r in rows
             for n, v in r["variants"].items()
-            if (n == "tree" or n.startswith("flat")) and v["status"] == "ran"
+            if (n == "tree" or is_flat_variant(n)) and v["status"] == "ran"
         ),
         default=0.0,
     )

@@ -109,12 +109,14 @@ def choose_chunk(forest: Forest, cost_model: LinearCostModel | None = None) -> t
 
 
 def _chunk_depths(forest: Forest, per_node: np.ndarray) -> np.ndarray:
-    """Depth in the chunk tree of each node's last chunk (parents come before children)."""
+    """Depth in the chunk tree of each node's last chunk: one vectorised step per forest depth
+    (AUTO prices every chunk size of every micro-batch, so no loop over nodes)."""
     parent = forest.node_parent.numpy()
-    last = np.empty(parent.size, dtype=np.int64)
-    for u in range(parent.size):
-        p = parent[u]
-        last[u] = (last[p] + per_node[u]) if p >= 0 else per_node[u] - 1
+    depth = forest.node_depth.numpy()
+    last = per_node.astype(np.int64) - 1
+    for d in range(1, int(depth.max()) + 1 if depth.size else 0):
+        nodes = np.flatnonzero(depth == d)
+        last[nodes] += last[parent[nodes]] + 1
     return last
 
 

@@ -68,18 +68,34 @@ class LinearCostModel:
     consider_chunk_tree: bool = True
     chunk_tree_margin: float = 0.85
 
+    #: the fields the terms of a call and of a chunk tree are weighted by, in the terms' order
+    CALL_FIELDS = ("slot_cost", "slot_cost_per_chunk", "segment_chunk_cost", "step_cost", "boundary_cost",
+                   "call_cost")  # fmt: skip
+    TREE_FIELDS = ("tree_slot_cost", "tree_slot_cost_per_chunk", "tree_chunk_cost", "tree_step_cost",
+                   "tree_call_cost")  # fmt: skip
+
+    @staticmethod
+    def call_terms(w: int, t: int, s: int, chunk_size: int) -> tuple[float, ...]:
+        """What a call of W segments, T tokens, S boundaries at chunk C is made of (CALL_FIELDS order):
+        slots, slots x C, segment-chunks, chunk steps, replayed boundary slots, one call."""
+        c = chunk_size
+        steps = max(1, math.ceil(t / c))
+        slots = w * steps * c
+        return (slots, slots * c, w * steps, steps, c * w * s, 1)
+
+    @staticmethod
+    def tree_terms(chunks: int, levels: int, chunk_size: int) -> tuple[float, ...]:
+        """What a chunk tree is made of (TREE_FIELDS order): slots, slots x C, chunks, levels, one call."""
+        slots = chunks * chunk_size
+        return (slots, slots * chunk_size, chunks, levels, 1)
+
+    def _weigh(self, fields: tuple[str, ...], terms: tuple[float, ...]) -> float:
+        return sum(getattr(self, f) * x for f, x in zip(fields, terms, strict=True))
+
     def shape(self, w: int, t: int, s: int = 0, chunk_size: int | None = None) -> float:
         """Cost of one call of W segments, T tokens, S inner boundaries (best chunk if None)."""
         c = chunk_size or self.chunk_for(w, t, s)
-        steps = max(1, math.ceil(t / c))
-        slots = w * steps * c
-        return (
-            slots * (self.slot_cost + self.slot_cost_per_chunk * c)
-            + self.segment_chunk_cost * w * steps
-            + self.step_cost * steps
-            + self.boundary_cost * c * w * s
-            + self.call_cost
-        )
+        return self._weigh(self.CALL_FIELDS, self.call_terms(w, t, s, c))
 
     def chunk_for(self, w: int, t: int, s: int = 0) -> int:
         """The cheapest chunk for a call of W segments, T tokens, S boundaries (ties: the larger)."""
@@ -87,13 +103,7 @@ class LinearCostModel:
 
     def chunk_tree(self, chunks: int, levels: int, chunk_size: int) -> float:
         """Cost of a chunk tree of ``chunks`` chunks of ``chunk_size`` slots and ``levels`` scan steps."""
-        c = chunk_size
-        return (
-            chunks * c * (self.tree_slot_cost + self.tree_slot_cost_per_chunk * c)
-            + self.tree_chunk_cost * chunks
-            + self.tree_step_cost * levels
-            + self.tree_call_cost
-        )
+        return self._weigh(self.TREE_FIELDS, self.tree_terms(chunks, levels, chunk_size))
 
     @property
     def max_chunk(self) -> int:
