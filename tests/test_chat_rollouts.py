@@ -1,46 +1,32 @@
 """Chat rollout files: conversations through a local tokenizer's chat template, masked on assistant turns.
 
-The tokenizer is built here (character level, ChatML special tokens, a template with tool calls),
-saved to a temporary directory and loaded from it: nothing is downloaded.
+The tokenizer is built by ``tests.helpers.save_tokenizer`` (character level, ChatML special tokens,
+a template with tool calls), saved to a temporary directory and loaded from it: nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
-import string
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 import harts
 from harts.data.chat import check_messages, tokenize_chat
 from harts.data.rollout_files import iter_rollout_steps, iter_rollouts, read_rollouts
 from harts.testing import tiny_model
+from tests.helpers import CHAT_TEMPLATE, CONVERSATION, WEATHER_CALL, save_tokenizer
 
-SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-
-# ChatML with tools in a system block and tool calls after the assistant's content
-TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{% if m.content %}{{ m.content }}{% endif %}"
-    "{% if 'tool_calls' in m %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}"
-    "({{ c.function.arguments | tojson }})</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # drops the reasoning of every assistant turn but the last, as some reasoning models' templates do
-DROPS_REASONING = TEMPLATE.replace(
+DROPS_REASONING = CHAT_TEMPLATE.replace(
     "{% if m.content %}{{ m.content }}{% endif %}",
     "{% if loop.last %}{{ m.content }}{% else %}{{ m.content.split('</think>')[-1] }}{% endif %}",
 )
 # consecutive tool results in one user block (as some tool-calling templates do): the rendering that
 # ends after the first of two results closes the block, the one after the second does not
-TOOL_BLOCK = TEMPLATE.replace(
+TOOL_BLOCK = CHAT_TEMPLATE.replace(
     "{% else %}",
     "{% elif m.role == 'tool' %}"
     "{% if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user\n{% endif %}"
@@ -48,45 +34,21 @@ TOOL_BLOCK = TEMPLATE.replace(
     "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}{% else %}",
 )
 # generation markers around the assistant's content only (its end-of-turn token left out)
-MARKED = TEMPLATE.replace(
+MARKED = CHAT_TEMPLATE.replace(
     "{% if m.content %}{{ m.content }}{% endif %}",
     "{% generation %}{% if m.content %}{{ m.content }}{% endif %}{% endgeneration %}",
 )
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
-    {"role": "tool", "content": "18C, sunny"},
-    {"role": "assistant", "content": "18C and sunny."},
-]  # fmt: skip
 ASSISTANT_TURNS = [
     'Checking.<tool_call>get_weather({"city": "Paris"})</tool_call><|im_end|>',
     "18C and sunny.<|im_end|>",
 ]
 
 
-def _save_tokenizer(path, template, extra_tokens=()):
-    vocab = {t: i for i, t in enumerate(SPECIAL + list(string.printable))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )  # fmt: skip
-    if extra_tokens:
-        fast.add_tokens(list(extra_tokens))
-    fast.chat_template = template
-    fast.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    return _save_tokenizer(tmp_path_factory.mktemp("tokenizer"), TEMPLATE)
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"), CHAT_TEMPLATE)
 
 
 def _jsonl(path, records):
@@ -206,10 +168,10 @@ def test_bad_chat_lines_name_file_line_and_field(tmp_path, tokenizer_dir, record
 def test_consecutive_tool_results_in_one_block(tmp_path):
     """Only what the model saw must be prefix-stable: the prompt before each assistant turn and the
     conversation through it, not the rendering between two tool results."""
-    tok_dir = _save_tokenizer(tmp_path / "block", TOOL_BLOCK)
+    tok_dir = save_tokenizer(tmp_path / "block", TOOL_BLOCK)
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     messages = CONVERSATION[:2] + [
-        {"role": "assistant", "tool_calls": [CALL, call]},  # no content: tool calls only
+        {"role": "assistant", "tool_calls": [WEATHER_CALL, call]},  # no content: tool calls only
         {"role": "tool", "content": "18C"},
         {"role": "tool", "content": "9C"},
         {"role": "assistant", "content": "Paris is warmer."},
@@ -233,7 +195,7 @@ def test_consecutive_tool_results_in_one_block(tmp_path):
 
 
 def test_a_template_that_is_not_prefix_stable_is_refused(tmp_path):
-    tok_dir = _save_tokenizer(tmp_path / "drops", DROPS_REASONING)
+    tok_dir = save_tokenizer(tmp_path / "drops", DROPS_REASONING)
     one_turn = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"}]
     ok = tokenize_chat(one_turn, tok_dir)  # a single turn is stable: the reasoning is trained on
     assert ok.mask_from == "progressive" and ok.loss_mask.sum() == len("<think>add</think>4") + 1
@@ -246,7 +208,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused(tmp_path):
 
 def test_a_tokenizer_merging_across_the_turn_boundary_is_refused(tmp_path):
     # "\nHe" is one token: the prompt ends in "\n", the reply's tokens start with "\nHe"
-    tok_dir = _save_tokenizer(tmp_path / "merges", TEMPLATE, extra_tokens=["\nHe"])
+    tok_dir = save_tokenizer(tmp_path / "merges", CHAT_TEMPLATE, extra_tokens=["\nHe"])
     assert len(tokenize_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
                              tok_dir).tokens) > 0  # fmt: skip
     with pytest.raises(ValueError, match=r"message 1: the renderings are prefixes as text but not as tokens"):
@@ -254,7 +216,7 @@ def test_a_tokenizer_merging_across_the_turn_boundary_is_refused(tmp_path):
 
 
 def test_generation_markers_give_the_mask_when_the_template_has_them(tmp_path):
-    tok_dir = _save_tokenizer(tmp_path / "marked", MARKED)
+    tok_dir = save_tokenizer(tmp_path / "marked", MARKED)
     chat = tokenize_chat(CONVERSATION, tok_dir)
     from transformers import AutoTokenizer
 
@@ -264,19 +226,17 @@ def test_generation_markers_give_the_mask_when_the_template_has_them(tmp_path):
     turns = [tok.decode(chat.tokens[a:b].tolist()) for a, b in _runs(chat.loss_mask)]
     assert turns == ["Checking.", "18C and sunny."]
     # markers that reach into the header are refused
-    header_marked = TEMPLATE.replace(
+    header_marked = CHAT_TEMPLATE.replace(
         "<|im_start|>assistant\n{% if m.content %}{{ m.content }}{% endif %}",
         "{% generation %}<|im_start|>assistant\n{% if m.content %}{{ m.content }}{% endif %}"
         "{% endgeneration %}",
     )  # fmt: skip
-    bad = _save_tokenizer(tmp_path / "bad", header_marked)
+    bad = save_tokenizer(tmp_path / "bad", header_marked)
     with pytest.raises(ValueError, match=r"generation markers cover token \d+, outside every assistant turn"):
         tokenize_chat(CONVERSATION, bad)
 
 
 def test_parquet_chat_rows_read_as_the_jsonl_lines(tmp_path, tokenizer_dir):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
     other = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     records = [{"messages": CONVERSATION, "reward": 1.0, "group_id": "a"},
                {"messages": other, "reward": 0.0, "group_id": "b"}]  # fmt: skip

@@ -22,7 +22,7 @@ import harts
 from harts.plan.ranks import RankCost, assign_trees
 from harts.testing import FAMILIES, tiny_model
 from tests.distributed_worker import LOSS, batch
-from tests.train_helpers import one_thread, write_config  # noqa: F401 (fixture)
+from tests.helpers import one_thread, write_config  # noqa: F401 (fixture)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

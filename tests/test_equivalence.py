@@ -9,8 +9,6 @@ match the stock per-trajectory ones to the same bounds.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +16,7 @@ from hypothesis import strategies as st
 
 import harts
 from harts.testing import FAMILIES
+from tests.helpers import EDGE_SHAPES
 from tests.reference import (
     GRAD_RTOL,
     LOGIT_ATOL,
@@ -37,45 +36,6 @@ def model_of(family: str):
     return cached_model(family, seed=7)
 
 
-def _seq(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def edge_shapes() -> dict[str, list[list[int]]]:
-    """Hand-made forests that stress one mechanism each."""
-    rng = random.Random(0)
-    p = _seq(rng, 20)
-    shapes = {
-        "single-T17": [_seq(rng, 17)],
-        "star-P20-G4": [p + _seq(rng, rng.randrange(3, 12)) for _ in range(4)],
-        # branch points stacked at several depths, with one-token nodes between them
-        "stacked-branches": [
-            p[:5] + [9] + [10, 11],
-            p[:5] + [9] + [12],
-            p[:5] + [13] + [14, 15, 16],
-            p[:5] + [13],
-            p[:5] + [9] + [10, 17, 18],
-        ],
-        # parents shorter than the conv kernel (4): windows cross two ancestors
-        "short-parents": [
-            [3, 4] + [5] + [6, 7, 8, 9],
-            [3, 4] + [5] + [10],
-            [3, 4] + [11, 12],
-            [3, 4, 5, 6, 7, 20],
-        ],
-        "prefix-of-another": [p[:9], p, p + _seq(rng, 5)],
-        "duplicates": [p, p, p[:7] + [50, 51], p[:7] + [50, 51]],
-        "unrelated-roots": [_seq(rng, 8), _seq(rng, 3), [5], [5, 6, 7]],
-        "one-token-trajectories": [[7], [7], [8], [7, 9]],
-    }
-    # node lengths around the delta-rule chunk size (64)
-    trunk = _seq(rng, 63)
-    shapes["chunk-edges-63-64-65"] = [trunk, trunk + [4], trunk + [4, 5], trunk + _seq(rng, 66)]
-    shapes["long-branch-T130"] = [trunk + _seq(rng, 67), trunk[:40] + _seq(rng, 90)]
-    return shapes
-
-
-EDGE = edge_shapes()
 
 
 def check_forest(model, trajectories) -> tuple[float, float]:
@@ -116,10 +76,10 @@ def check_forest(model, trajectories) -> tuple[float, float]:
     return worst_logit, errors[worst_name]
 
 
-@pytest.mark.parametrize("shape", list(EDGE))
+@pytest.mark.parametrize("shape", list(EDGE_SHAPES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edge_shapes(family, shape):
-    check_forest(model_of(family), EDGE[shape])
+    check_forest(model_of(family), EDGE_SHAPES[shape])
 
 
 SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # token mean over 1: the plain sum
@@ -140,16 +100,16 @@ def check_step(model, trajectories, budget: int | None) -> None:
     assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.3g}"
 
 
-@pytest.mark.parametrize("shape", list(EDGE))
+@pytest.mark.parametrize("shape", list(EDGE_SHAPES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edge_shapes_through_the_budgeted_step(family, shape):
-    check_step(model_of(family), EDGE[shape], budget=7)
+    check_step(model_of(family), EDGE_SHAPES[shape], budget=7)
 
 
 def test_reference_is_sensitive():
     """The comparison can fail: a one-token change in one trajectory breaks it."""
     model = model_of("bailing_hybrid")
-    trajs = EDGE["star-P20-G4"]
+    trajs = EDGE_SHAPES["star-P20-G4"]
     forest = harts.build_forest(trajs)
     with torch.no_grad():
         out = harts.forward(model, forest)

@@ -18,30 +18,9 @@ from hypothesis import strategies as st
 
 from harts.data.synthetic import random_forest
 from harts.forest import Forest, build_forest
+from tests.helpers import forests
 
 PROPS = settings(max_examples=200, deadline=None)
-
-
-# ---- strategies --------------------------------------------------------------------------------
-@st.composite
-def forests(draw, max_trajectories: int = 8, max_len: int = 9, alphabet: int = 3) -> list[list[int]]:
-    """Trajectories that collide: fresh ones, extensions of earlier prefixes, duplicates, prefixes."""
-    tok = st.integers(0, alphabet - 1)
-    out: list[list[int]] = []
-    for _ in range(draw(st.integers(1, max_trajectories))):
-        kind = draw(st.sampled_from(["fresh", "extend", "duplicate", "prefix"])) if out else "fresh"
-        if kind == "fresh":
-            out.append(draw(st.lists(tok, min_size=1, max_size=max_len)))
-            continue
-        base = out[draw(st.integers(0, len(out) - 1))]
-        if kind == "extend":
-            keep = draw(st.integers(0, len(base)))
-            out.append(base[:keep] + draw(st.lists(tok, min_size=0 if keep else 1, max_size=max_len)))
-        elif kind == "duplicate":
-            out.append(list(base))
-        else:
-            out.append(base[: draw(st.integers(1, len(base)))])
-    return out
 
 
 # ---- brute force -------------------------------------------------------------------------------

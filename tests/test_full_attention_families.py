@@ -21,11 +21,10 @@ from harts.adapters.base import adapter_for, supported_families
 from harts.runtime.routers import RouterRecorder
 from harts.testing import tiny_model
 from harts.train.moe import moe_stats
+from tests.helpers import EDGE_SHAPES, MOE_FORESTS, loop_counts
 from tests.reference import (
     cached_model,
 )
-from tests.test_equivalence import EDGE
-from tests.test_moe_stats import FORESTS, loop_counts
 
 
 def _needs(family):
@@ -42,7 +41,7 @@ def test_sliding_windows_are_live(family):
     """Tree logits equal the windowed stock model's, and differ from the unwindowed one's."""
     if family not in supported_families():
         pytest.skip(f"transformers lacks {family}")
-    trajs = EDGE["long-branch-T130"]
+    trajs = EDGE_SHAPES["long-branch-T130"]
     windowed = cached_model(family, seed=7)
     plain = tiny_model(family, seed=7, **WINDOWED[family])
     plain.load_state_dict(windowed.state_dict())
@@ -62,7 +61,7 @@ MOE = ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h", "granitemoehybrid"]
 def test_expert_counts_equal_each_trajectory_alone(family):
     if family not in supported_families():
         pytest.skip(f"transformers lacks {family}")
-    model, trajs = cached_model(family, seed=7), FORESTS["nested-branches-2roots"]
+    model, trajs = cached_model(family, seed=7), MOE_FORESTS["nested-branches-2roots"]
     forest = harts.build_forest(trajs)
     if adapter_for(model).router_class is None:  # glm4_moe, deepseek_v3 before routers chose experts
         with pytest.raises(ValueError, match="MoE statistics need an MoE family"):

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import trl  # the dev extra installs it: a missing TRL fails here, it is never skipped
+from datasets import Dataset  # a TRL dependency
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback
 
-trl = pytest.importorskip("trl", reason="TRL is part of the dev extra: pip install -e '.[dev]'")
-
-from datasets import Dataset  # noqa: E402  (a TRL dependency)
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
-
-from harts.integrations.trl import GRPOTrainer  # noqa: E402
-from harts.testing import tiny_model  # noqa: E402
-from tests.reference import GRAD_RTOL, grad_relative_errors  # noqa: E402
+from harts.integrations.trl import GRPOTrainer
+from harts.testing import tiny_model
+from tests.reference import GRAD_RTOL, grad_relative_errors
 
 PROMPTS = ["t10 t11 t12 t13 t14 t15 t16", "t20 t21 t22", "t30 t31 t32 t33", "t40 t41"]
 

@@ -15,8 +15,6 @@ loss, the stock ``output_router_logits=True`` path with the stock ``load_balanci
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from harts import LossKind, MoEConfig, PolicyLossConfig, Rollout, RouterRecorder
 from harts.adapters import supported_families
 from harts.objectives import bias_update, load_balancing_loss
 from harts.testing import tiny_model
+from tests.helpers import MOE_FORESTS, loop_counts
 from tests.reference import (
     GRAD_RTOL,
     cached_model,
@@ -36,31 +35,10 @@ from tests.reference import (
 
 MOE_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next")
 AUX_RTOL = 1e-5
-VOCAB = 128
 
 
 def model_of(family: str):
     return cached_model(family, seed=7)
-
-
-def _forests() -> dict[str, list[list[int]]]:
-    rng = random.Random(11)
-
-    def seq(n):
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-    p = seq(8)
-    star = [p + seq(n) for n in (4, 7, 3, 9)]
-    nested = [p[:3] + [40, 41] + seq(5), p[:3] + [40, 41] + seq(2), p[:3] + [42] + seq(6), p[:3]]
-    return {
-        # one prompt, four completions, two of them duplicated
-        "star-dups-P8-G6": star + [list(star[1]), list(star[3])],
-        # branches at depths 3 and 5, a trajectory that ends where others branch, and a second root
-        "nested-branches-2roots": nested + [list(nested[0]), seq(7)],
-    }
-
-
-FORESTS = _forests()
 
 
 def padded_batch(trajectories) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,21 +52,10 @@ def padded_batch(trajectories) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def loop_counts(indices: list[torch.Tensor], keep: list[bool], num_experts: int) -> list[list[int]]:
-    """Counts written plainly: for every layer, every kept token, every chosen expert, add one."""
-    counts = [[0] * num_experts for _ in indices]
-    for layer, idx in enumerate(indices):
-        for token, experts in enumerate(idx.tolist()):
-            if keep[token]:
-                for e in experts:
-                    counts[layer][e] += 1
-    return counts
-
-
-@pytest.mark.parametrize("shape", list(FORESTS))
+@pytest.mark.parametrize("shape", list(MOE_FORESTS))
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_expert_counts_equal_flat_batch(family, shape):
-    model, trajs = model_of(family), FORESTS[shape]
+    model, trajs = model_of(family), MOE_FORESTS[shape]
     forest = harts.build_forest(trajs)
     assert forest.num_tokens < forest.num_flat_tokens and int(forest.token_multiplicity.max()) >= 3
     with torch.no_grad():
@@ -126,7 +93,7 @@ def test_expert_counts_equal_flat_batch(family, shape):
 
 
 # aux-loss families: qwen3_next on every forest, the full-attention ones on one
-AUX_CASES = [("qwen3_next", shape) for shape in FORESTS] + [
+AUX_CASES = [("qwen3_next", shape) for shape in MOE_FORESTS] + [
     (family, "star-dups-P8-G6") for family in ("qwen3_moe", "gpt_oss")
 ]
 
@@ -135,7 +102,7 @@ AUX_CASES = [("qwen3_next", shape) for shape in FORESTS] + [
 def test_aux_loss_and_gradient_equal_stock_flat_batch(family, shape):
     if family not in supported_families():
         pytest.skip(f"transformers lacks {family}")
-    model, trajs = model_of(family), FORESTS[shape]
+    model, trajs = model_of(family), MOE_FORESTS[shape]
     forest = harts.build_forest(trajs)
     ids, mask = padded_batch(trajs)
 
@@ -174,7 +141,7 @@ def _rollouts(trajs):
 
 
 def test_rollout_step_adds_the_aux_loss():
-    model, trajs = model_of("qwen3_next"), FORESTS["star-dups-P8-G6"]
+    model, trajs = model_of("qwen3_next"), MOE_FORESTS["star-dups-P8-G6"]
     config = PolicyLossConfig(kind=LossKind.PPO)
     plain = rollout_step(model, _rollouts(trajs), config)
     with_aux = rollout_step(model, _rollouts(trajs), config, moe=MoEConfig(aux_loss_coef=0.01))
@@ -215,7 +182,7 @@ MOE_BUDGETS = [1, 6]
 def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
     """Counts per part add up to the whole step's; the aux loss, split into each part's share of
     P against the step's f, gives the same value and gradients as one pass."""
-    model, trajs = model_of(family), FORESTS["nested-branches-2roots"]
+    model, trajs = model_of(family), MOE_FORESTS["nested-branches-2roots"]
     config = PolicyLossConfig(kind=LossKind.PPO)
     moe = MoEConfig(aux_loss_coef=0.05 if family == "qwen3_next" else None)
     runs = []
@@ -242,7 +209,7 @@ def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
 
 def test_budgeted_aux_gradient_reaches_the_routers():
     """The aux term's own gradient (no policy loss: zero advantages) matches, and is not zero."""
-    model, trajs = model_of("qwen3_next"), FORESTS["star-dups-P8-G6"]
+    model, trajs = model_of("qwen3_next"), MOE_FORESTS["star-dups-P8-G6"]
     rollouts = [Rollout(t, rollout_logprobs=[-1.0] * len(t), advantages=0.0) for t in trajs]
     grads = []
     for b in (None, 3):

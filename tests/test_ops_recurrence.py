@@ -23,7 +23,7 @@ from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 from harts.ops.tree_delta_rule import tree_gated_delta_rule, tree_recurrence
 from harts.plan.chunk_tree import chunk_tree_plan
 from harts.plan.waves import plan_linear
-from tests.test_plans import SHAPES, _path_tokens, _root_of
+from tests.helpers import PLAN_SHAPES, path_tokens, root_of
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -118,7 +118,7 @@ def _inputs_for(recurrence, n, h, dk, dv):
 @pytest.mark.parametrize("name", ["caterpillar-D8", "short-parents-K4", "roots-3", "chunk-boundaries-T200"])
 def test_tree_gla_equals_each_trajectory_alone(name, mode):
     torch.manual_seed(0)
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     plan = chunk_tree_plan(forest, 8) if mode == "tree-C8" else plan_linear(forest, mode)
     h, dk, dv = 2, 8, 4
     inputs = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, h, dk, dv)
@@ -139,12 +139,12 @@ def test_tree_gla_equals_each_trajectory_alone(name, mode):
     ref_loss = 0.0
     for i in range(forest.num_trajectories):
         idx = forest.trajectory_token_indices(i)
-        ref, _ = naive(idx, _root_of(forest, int(forest.trajectory_end_node[i])))
+        ref, _ = naive(idx, root_of(forest, int(forest.trajectory_end_node[i])))
         assert (out[idx].double() - ref[0]).abs().max() <= ATOL
         mult = forest.token_multiplicity[idx][:, None, None]
         ref_loss = ref_loss + (ref[0] * w_out[idx].double() / mult).sum()
     for m in range(forest.num_nodes):
-        _, ref_state = naive(_path_tokens(forest, m), _root_of(forest, m))
+        _, ref_state = naive(path_tokens(forest, m), root_of(forest, m))
         assert (states[m].double() - ref_state[0]).abs().max() <= ATOL
         ref_loss = ref_loss + (ref_state[0] * w_state[m].double()).sum()
     want = torch.autograd.grad(ref_loss, leaves)
@@ -155,7 +155,7 @@ def test_tree_gla_equals_each_trajectory_alone(name, mode):
 def test_delta_rule_through_the_contract_is_the_delta_rule():
     """tree_gated_delta_rule is tree_recurrence(DELTA_RULE): same values, bit for bit."""
     torch.manual_seed(1)
-    forest = harts.build_forest(SHAPES["short-parents-K4"])
+    forest = harts.build_forest(PLAN_SHAPES["short-parents-K4"])
     plan = plan_linear(forest, "chain")
     inputs = _inputs_for(DELTA_RULE, forest.num_tokens, 2, 8, 4)
     a, sa = tree_gated_delta_rule(*inputs, plan)
@@ -164,7 +164,7 @@ def test_delta_rule_through_the_contract_is_the_delta_rule():
 
 
 def test_contract_refuses_bad_inputs():
-    forest = harts.build_forest(SHAPES["roots-3"])
+    forest = harts.build_forest(PLAN_SHAPES["roots-3"])
     plan = plan_linear(forest, "depth")
     q, k, v, g = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, 2, 8, 4)
     with pytest.raises(ValueError, match="takes 4 inputs"):

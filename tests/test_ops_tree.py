@@ -18,12 +18,7 @@ from harts.ops.short_conv import tree_short_conv
 from harts.ops.tree_attention import tree_attention
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
-
-FORESTS = {
-    "star-P9-G3": [[1] * 9 + [2, 3], [1] * 9 + [4], [1] * 9 + [5, 6, 7, 8]],
-    "short-parents-K4": [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9, 10], [1, 7, 11], [12]],
-    "chunk-edge-T70": [list(range(3, 73)), list(range(3, 40)) + [99] * 30, list(range(3, 68))],
-}
+from tests.helpers import OP_FORESTS
 
 
 def _per_trajectory(forest, fn, x):
@@ -35,10 +30,10 @@ def _tree_rows(forest, y):
     return [y[forest.trajectory_token_indices(i)] for i in range(forest.num_trajectories)]
 
 
-@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("name", list(OP_FORESTS))
 def test_tree_attention_equals_causal_per_trajectory(name):
     torch.manual_seed(0)
-    forest = harts.build_forest(FORESTS[name])
+    forest = harts.build_forest(OP_FORESTS[name])
     layout = TreeLayout(forest)
     n = forest.num_tokens
     q = torch.randn(4, n, 8, dtype=torch.float64, requires_grad=True)
@@ -65,10 +60,10 @@ def test_tree_attention_equals_causal_per_trajectory(name):
         assert torch.allclose(g, r, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("name", list(OP_FORESTS))
 def test_short_conv_equals_conv1d_per_trajectory(name):
     torch.manual_seed(0)
-    forest = harts.build_forest(FORESTS[name])
+    forest = harts.build_forest(OP_FORESTS[name])
     x = torch.randn(forest.num_tokens, 6, dtype=torch.float64)
     w = torch.randn(6, 4, dtype=torch.float64)
     bias = torch.randn(6, dtype=torch.float64)
@@ -81,10 +76,10 @@ def test_short_conv_equals_conv1d_per_trajectory(name):
         assert torch.allclose(g, r, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("name", list(OP_FORESTS))
 def test_tree_delta_rule_hands_state_to_children(name):
     torch.manual_seed(0)
-    forest = harts.build_forest(FORESTS[name])
+    forest = harts.build_forest(OP_FORESTS[name])
     plan = TreeLayout(forest).linear_plan
     n, h, dk, dv = forest.num_tokens, 2, 8, 4
     q = F.normalize(torch.randn(n, h, dk), dim=-1).requires_grad_()

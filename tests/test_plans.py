@@ -22,31 +22,11 @@ from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
 from harts.ops.tree_delta_rule import tree_gated_delta_rule
 from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan, chunk_tree_shape
 from harts.plan.waves import LinearCostModel, LinearPlan, PlanMode, chain_plan, min_calls, plan_linear
-from tests.test_forest import forests
-from tests.test_ops_tree import FORESTS
+from tests.helpers import PLAN_SHAPES, forests, path_tokens, root_of
 
 OUT_ATOL = 1e-5  # fp32 chunked vs fp64 recurrence, max |o diff|
 STATE_RTOL = 1e-5  # relative norm error of each node's final state
 GRAD_RTOL = 1e-5  # relative norm error of each gradient
-
-_BASE = list(range(3, 203))
-_BINARY = [[7, *bits] for bits in itertools.product([0, 1], repeat=3)]
-SHAPES = {
-    "chain-M5": [_BASE[:c] for c in (3, 5, 9, 10, 14)],
-    "star-P9-G5": [[1] * 9 + [2 + i] * (i + 1) for i in range(5)],
-    "caterpillar-D8": [_BASE[: 2 * (d + 1)] + [1, d] for d in range(8)] + [_BASE[:18]],
-    "binary-D3": _BINARY,
-    "roots-3": [[200, *t] for t in _BINARY] + [[201] * 4, [201] * 6, [202, 1], [202, 2], [202, 3]],
-    "chunk-boundaries-T200": [
-        _BASE[:64],
-        _BASE[:128],
-        _BASE[:129],
-        _BASE,
-        _BASE[:64] + [1] * 70,
-        _BASE[:128] + [2],
-    ],
-    **FORESTS,
-}
 
 
 def _fewest(forest) -> int:
@@ -163,9 +143,9 @@ def brute_force_min_calls(forest) -> int:
 
 
 # ---- structure ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", list(PLAN_SHAPES))
 def test_every_plan_is_valid_on_edge_shapes(name):
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     for plan in all_plans(forest).values():
         check_plan(forest, plan)
     for plan in chunk_trees(forest).values():
@@ -202,13 +182,13 @@ def test_chain_plan_needs_the_fewest_calls(trajs):
     [("chain-M5", 1), ("star-P9-G5", 2), ("caterpillar-D8", 2), ("binary-D3", 4), ("roots-3", 4)],
 )
 def test_chain_plan_call_counts_on_known_shapes(name, calls):
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     assert chain_plan(forest).num_calls == calls == brute_force_min_calls(forest)
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", list(PLAN_SHAPES))
 def test_auto_picks_the_cheapest_candidate(name):
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     plans = all_plans(forest)
     auto, model = plans["auto"], LinearCostModel()
     assert auto.cost == model.plan(auto)
@@ -224,11 +204,11 @@ def test_auto_picks_the_cheapest_candidate(name):
     )
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", list(PLAN_SHAPES))
 def test_auto_weighs_the_chunk_tree_against_the_calls(name):
     """AUTO returns the chunk tree at its cheapest chunk exactly when the model costs it below the
     best plan of calls; a model with dear calls always picks it, one with a dear chunk tree never."""
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     model = LinearCostModel()
     calls = plan_linear(forest, "auto", CALLS_ONLY)
     chunk, tree_cost = choose_chunk(forest, model)
@@ -255,7 +235,7 @@ def test_a_call_backend_keeps_auto_to_plans_of_calls():
     from harts.runtime.config import RunConfig
     from harts.runtime.executor import layout_for
 
-    forest = harts.build_forest(SHAPES["binary-D3"])
+    forest = harts.build_forest(PLAN_SHAPES["binary-D3"])
     run = RunConfig(cost_model=LinearCostModel(call_cost=1e12))
     assert isinstance(layout_for(forest, "cpu", run).linear_plan, ChunkTreePlan)
     register_backend("calls-only", lambda: Backend("calls-only", chunked_gated_delta_rule, tree_attention))
@@ -264,7 +244,7 @@ def test_a_call_backend_keeps_auto_to_plans_of_calls():
 
 
 def test_bad_mode_and_budget_are_refused():
-    forest = harts.build_forest(SHAPES["binary-D3"])
+    forest = harts.build_forest(PLAN_SHAPES["binary-D3"])
     with pytest.raises(ValueError, match="unknown plan mode"):
         plan_linear(forest, "fastest")
     with pytest.raises(ValueError, match="below the fewest calls"):
@@ -272,21 +252,6 @@ def test_bad_mode_and_budget_are_refused():
 
 
 # ---- exactness of the handoff under every plan -------------------------------------------------
-def _path_tokens(forest, node: int) -> torch.Tensor:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = int(forest.node_parent[node])
-    s, n = forest.node_start, forest.node_length
-    return torch.cat([torch.arange(int(s[v]), int(s[v] + n[v])) for v in reversed(path)])
-
-
-def _root_of(forest, node: int) -> int:
-    while int(forest.node_parent[node]) >= 0:
-        node = int(forest.node_parent[node])
-    return node
-
-
 NUMERIC = ["chunk-boundaries-T200", "caterpillar-D8", "roots-3", "short-parents-K4"]
 
 
@@ -295,7 +260,7 @@ NUMERIC = ["chunk-boundaries-T200", "caterpillar-D8", "roots-3", "short-parents-
 @pytest.mark.parametrize("name", NUMERIC)
 def test_tree_delta_rule_is_exact_under_every_plan(name, mode):
     torch.manual_seed(0)
-    forest = harts.build_forest(SHAPES[name])
+    forest = harts.build_forest(PLAN_SHAPES[name])
     plans = {**all_plans(forest), **chunk_trees(forest)}
     plan = plans[f"chain-K{min(_fewest(forest) + 1, forest.max_depth + 1)}" if mode == "budget" else mode]
     n, h, dk, dv = forest.num_tokens, 2, 8, 4
@@ -321,13 +286,13 @@ def test_tree_delta_rule_is_exact_under_every_plan(name, mode):
     ref_loss = 0.0
     for i in range(forest.num_trajectories):  # outputs: each trajectory alone, shared rows once
         idx = forest.trajectory_token_indices(i)
-        ref, _ = naive(idx, _root_of(forest, int(forest.trajectory_end_node[i])))
+        ref, _ = naive(idx, root_of(forest, int(forest.trajectory_end_node[i])))
         assert (out[idx].double() - ref[0]).abs().max() <= OUT_ATOL
         ref_loss = (
             ref_loss + (ref[0] * w_out[idx].double() / forest.token_multiplicity[idx][:, None, None]).sum()
         )
     for m in range(forest.num_nodes):  # states: the path from the root to the end of node m
-        _, ref_state = naive(_path_tokens(forest, m), _root_of(forest, m))
+        _, ref_state = naive(path_tokens(forest, m), root_of(forest, m))
         assert (states[m].double() - ref_state[0]).norm() <= STATE_RTOL * ref_state[0].norm()
         ref_loss = ref_loss + (ref_state[0] * w_state[m].double()).sum()
     want = torch.autograd.grad(ref_loss, leaves)

@@ -17,7 +17,7 @@ from harts.data.rollout_files import iter_rollout_steps
 from harts.trainer.config import ScheduleConfig, load_config
 from harts.trainer.inputs import count_steps
 from harts.trainer.optim import lr_factor
-from tests.train_helpers import EXAMPLE_ROLLOUTS, write_config
+from tests.helpers import EXAMPLE_ROLLOUTS, write_config
 
 
 def _error(tmp_path, top=None, exc=ValueError, **sections) -> str:

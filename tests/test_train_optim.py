@@ -15,7 +15,7 @@ from harts.runtime.routers import find_routers
 from harts.testing import FAMILIES, tiny_model
 from harts.trainer.config import OptimizerConfig, ScheduleConfig
 from harts.trainer.optim import build_optimizers, freeze_routers
-from tests.train_helpers import one_thread  # noqa: F401 (autouse: one thread)
+from tests.helpers import one_thread  # noqa: F401 (autouse: one thread)
 
 ROLLOUTS = [harts.Rollout([5, 6, 7, 8, 9, 10, 11, 12]), harts.Rollout([5, 6, 7, 8, 20, 21, 22])]
 SFT = harts.PolicyLossConfig(kind="sft")

@@ -26,7 +26,7 @@ from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
 from harts.trainer.loop import train_step
 from harts.trainer.optim import build_optimizers
-from tests.train_helpers import (
+from tests.helpers import (
     ROOT,
     one_thread,  # noqa: F401 (autouse: one thread)
     write_config,

@@ -23,11 +23,14 @@ from harts.trainer.checkpoint import MANIFEST, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.loop import train
 from harts.trainer.progress import write_plot
-from tests.train_helpers import (
+from tests.helpers import (
+    CHAT_TEMPLATE,
+    CONVERSATION,
     EXAMPLE_ROLLOUTS,
     FAMILY,
     ROOT,
     one_thread,  # noqa: F401 (autouse: one thread)
+    save_tokenizer,
     write_config,
 )
 
@@ -210,11 +213,7 @@ def test_the_example_config_runs(tmp_path):
 
 def test_a_chat_file_trains_through_its_tokenizer(tmp_path):
     """data.tokenizer reaches the reader: conversations are tokenised with the chat template."""
-    try:
-        from tests.test_chat_rollouts import CONVERSATION, TEMPLATE, _save_tokenizer
-    except ImportError:
-        pytest.skip("no chat rollout files in this harts")
-    tokenizer = _save_tokenizer(tmp_path / "tok", TEMPLATE)
+    tokenizer = save_tokenizer(tmp_path / "tok", CHAT_TEMPLATE)
     other = CONVERSATION[:-1] + [{"role": "assistant", "content": "Sunny, 18C."}]
     data = tmp_path / "chat.jsonl"
     data.write_text(

@@ -10,7 +10,6 @@ of non-CPU devices) instead of CPU flash attention's fused backward kernel.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import pytest
@@ -22,11 +21,11 @@ from hypothesis import strategies as st
 import harts
 from harts.ops.tree_attention import masked_tree_attention, tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
+from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, plan_args, token_run
 
 TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
 ATOL_OUT = 1e-10
 ATOL_GRAD = 1e-10
-SCALE = 0.35
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,62 +37,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _seq(start, n):
-    return list(range(start, start + n))
-
-
-FORESTS = {
-    "chain-N3-T30": [_seq(1, 10), _seq(1, 20), _seq(1, 30)],
-    "star-P40-G6": [_seq(1, 40) + [100 + g] * (3 + g) for g in range(6)],
-    "deep-binary-D5-S3": [
-        [t for d in range(5) for t in ([2 * d + ((b >> d) & 1)] * 3)] for b in range(32)
-    ],
-    "one-token-nodes-D4": [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7, 8], [1, 7, 9, 10], [11]],
-    "long-P700-G3": [_seq(1, 700) + _seq(1000 * g, 20 + 90 * g) for g in range(1, 4)],
-    "roots-R4": [_seq(1, 15), _seq(1, 9) + [50, 51], [60] * 7, [70, 71], [70, 72, 73]],
-}
-
-
-def _ancestor_keys(forest):
-    """Per node: key rows (= forest token indices) of all tokens on its ancestors, root first."""
-    starts, lengths = forest.node_start.tolist(), forest.node_length.tolist()
-    keys = []
-    for p in forest.node_parent.tolist():  # parents come first, so keys[p] is ready
-        own = torch.arange(starts[p], starts[p] + lengths[p]) if p >= 0 else None
-        keys.append(torch.empty(0, dtype=torch.long) if p < 0 else torch.cat([keys[p], own]))
-    return keys
-
-
-def _plan_args(forest, cut):
-    """Plan arguments for nodes ``[cut, M)``: keys are all forest tokens, queries start at node ``cut``."""
-    ext = int(forest.node_start[cut])
-    nodes = slice(cut, forest.num_nodes)
-    return dict(
-        node_query_start=forest.node_start[nodes] - ext,
-        node_length=forest.node_length[nodes],
-        node_key_start=forest.node_start[nodes],
-        node_ancestor_keys=_ancestor_keys(forest)[nodes],
-        num_queries=forest.num_tokens - ext,
-        num_keys=forest.num_tokens,
-    ), ext
-
-
-@contextlib.contextmanager
-def _fused(on: bool):
-    """CPU flash attention's fused kernels (True) or the recompute path of other devices (False)."""
-    old, TA._FUSED_CPU = TA._FUSED_CPU, on
-    try:
-        yield
-    finally:
-        TA._FUSED_CPU = old
-
-
 def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=torch.float64,
            tol=(ATOL_OUT, ATOL_GRAD), fused=True):
     atol, atol_grad = tol
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
-    args, ext = _plan_args(forest, cut)
+    args, ext = plan_args(forest, cut)
     n, m = args["num_queries"], args["num_keys"]
     h, hkv = heads
     q = torch.randn(h, n, dk, dtype=dtype, requires_grad=True)
@@ -101,13 +50,13 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     v = torch.randn(hkv, m, dv, dtype=dtype, requires_grad=True)
     w = torch.randn(n, h, dv, dtype=dtype)
     plan = plan_tree_attention(**args, max_group_tokens=budget)
-    with _fused(fused):
-        out = tree_attention(q, k, v, plan, SCALE)
+    with fused_kernels(fused):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         grads = torch.autograd.grad((out * w).sum(), (q, k, v))
 
     # reference 1: the dense [n, m] mask of the same plan arguments
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref = masked_tree_attention(q64, k64, v64, plan_reference_mask(**args), SCALE)
+    ref = masked_tree_attention(q64, k64, v64, plan_reference_mask(**args), ATTENTION_SCALE)
     ref_grads = torch.autograd.grad((ref * w.double()).sum(), (q64, k64, v64))
     assert torch.allclose(out.double(), ref, atol=atol, rtol=0)
     for g, r in zip(grads, ref_grads, strict=True):
@@ -121,7 +70,7 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
         idx = forest.trajectory_token_indices(i)
         y = F.scaled_dot_product_attention(
             q_full[:, idx], k64[:, idx].repeat_interleave(h // hkv, 0),
-            v64[:, idx].repeat_interleave(h // hkv, 0), is_causal=True, scale=SCALE,
+            v64[:, idx].repeat_interleave(h // hkv, 0), is_causal=True, scale=ATTENTION_SCALE,
         ).transpose(0, 1)
         mine = idx >= ext
         assert torch.allclose(out.double()[idx[mine] - ext], y[mine], atol=atol, rtol=0)
@@ -134,40 +83,41 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     return plan
 
 
-@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("name", list(ATTENTION_FORESTS))
 def test_tree_attention_matches_references(name):
-    _check(FORESTS[name])
+    _check(ATTENTION_FORESTS[name])
 
 
 @pytest.mark.parametrize("name", ["star-P40-G6", "deep-binary-D5-S3", "long-P700-G3"])
 def test_tree_attention_small_group_budget(name):
-    plan = _check(FORESTS[name], budget=2048)
+    plan = _check(ATTENTION_FORESTS[name], budget=2048)
     assert len(plan.groups) > 1
 
 
 @pytest.mark.parametrize("name,cut", [("star-P40-G6", 1), ("deep-binary-D5-S3", 3), ("roots-R4", 2),
                                       ("long-P700-G3", 1)])
 def test_tree_attention_external_keys(name, cut):
-    _check(FORESTS[name], cut=cut)
+    _check(ATTENTION_FORESTS[name], cut=cut)
 
 
 @pytest.mark.parametrize("heads,dk,dv", [((4, 4), 8, 8), ((4, 1), 6, 10), ((6, 2), 8, 3)],
                          ids=["H4-Hkv4-K8-V8", "H4-Hkv1-K6-V10", "H6-Hkv2-K8-V3"])
 def test_tree_attention_heads_and_widths(heads, dk, dv):
-    _check(FORESTS["deep-binary-D5-S3"], cut=2, heads=heads, dk=dk, dv=dv)
+    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=heads, dk=dk, dv=dv)
 
 
 def test_tree_attention_float32_flash_path():
     """Dk == Dv in float32 takes CPU flash attention, where the padding channel must still be exact."""
-    _check(FORESTS["long-P700-G3"], cut=1, heads=(4, 2), dk=16, dv=16, dtype=torch.float32, tol=(2e-5, 2e-5))
+    _check(ATTENTION_FORESTS["long-P700-G3"], cut=1, heads=(4, 2), dk=16, dv=16, dtype=torch.float32,
+           tol=(2e-5, 2e-5))
 
 
 def test_plan_cost_is_near_exact():
     # agentic shape, scaled down: a 960-token root, 8 children of 120, each with 2 children of 60
-    trajs = [_seq(1, 960) + _seq(2000 + 200 * c, 120) + [5000 + 2 * c + g] * 60
+    trajs = [token_run(1, 960) + token_run(2000 + 200 * c, 120) + [5000 + 2 * c + g] * 60
              for c in range(8) for g in range(2)]
     forest = harts.build_forest(trajs)
-    args, _ = _plan_args(forest, 0)
+    args, _ = plan_args(forest, 0)
     plan = plan_tree_attention(**args)
     positions = forest.token_position
     assert plan.exact_cost == int((positions + 1).sum())
@@ -180,10 +130,10 @@ def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused):
     """A query with a single key returns that value; in exact arithmetic its query gradient is zero,
     and so is the key gradient of a token no other token sees."""
     forest = harts.build_forest(trajs)
-    args, _ = _plan_args(forest, 0)
+    args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 8, requires_grad=True) for _ in range(3))
-    with _fused(fused):
-        out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    with fused_kernels(fused):
+        out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
         dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
     first = forest.token_position == 0
     assert torch.equal(out[first], v[:, first].detach().transpose(0, 1))
@@ -193,7 +143,7 @@ def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused):
 
 
 def test_plan_rejects_uncovered_queries():
-    args, _ = _plan_args(harts.build_forest(FORESTS["star-P40-G6"]), 0)
+    args, _ = plan_args(harts.build_forest(ATTENTION_FORESTS["star-P40-G6"]), 0)
     args["num_queries"] += 1
     args["num_keys"] += 1
     with pytest.raises(ValueError, match="exactly once"):
@@ -229,8 +179,8 @@ BACKWARD_CASES = {
 def test_tree_attention_backward_paths(case, dtype, fused):
     name, cut, heads, dk, dv, budget = BACKWARD_CASES[case]
     tol = (ATOL_OUT, ATOL_GRAD) if dtype == torch.float64 else (2e-5, 2e-5)
-    plan = _check(FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget, dtype=dtype, tol=tol,
-                  fused=fused)
+    plan = _check(ATTENTION_FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget, dtype=dtype,
+                  tol=tol, fused=fused)
     assert any(g.pad_keys for g in plan.groups) and any(not g.pad_keys and g.lk > 1 for g in plan.groups)
     assert any(g.lk == 1 for g in plan.groups) == ("lone" in case)
     assert (plan.num_keys > plan.num_queries) == ("external" in case)
@@ -240,8 +190,8 @@ def test_tree_attention_backward_paths(case, dtype, fused):
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["f16", "bf16"])
 def test_tree_attention_half_precision(dtype, tol, fused):
     """Half-precision inputs (key/value gradients summed over blocks in float32), loosely."""
-    _check(FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048, dtype=dtype,
-           tol=(tol, tol), fused=fused)
+    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048,
+           dtype=dtype, tol=(tol, tol), fused=fused)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
@@ -250,7 +200,7 @@ def test_backward_kernel_choice(fused, monkeypatch):
     calls = []
     kernel = TA._flash_backward
     monkeypatch.setattr(TA, "_flash_backward", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    plan = _check(FORESTS["one-token-nodes-D4"], cut=1, fused=fused)
+    plan = _check(ATTENTION_FORESTS["one-token-nodes-D4"], cut=1, fused=fused)
     assert len(calls) == (sum(g.lk > 1 for g in plan.groups) if fused else 0) and (not fused or calls)
 
 
@@ -258,8 +208,8 @@ def test_backward_kernel_choice(fused, monkeypatch):
 def test_backward_saves_no_gathered_rows(fused):
     """Saved for backward: q, k, v as passed, the output and per-group logsumexps; no gathered rows,
     which on short nodes are several times the token count."""
-    forest = harts.build_forest(FORESTS["deep-binary-D5-S3"])
-    args, _ = _plan_args(forest, 0)
+    forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
+    args, _ = plan_args(forest, 0)
     plan = plan_tree_attention(**args)
     n, m = args["num_queries"], args["num_keys"]
     assert plan.key_index.numel() > 3 * m
@@ -271,22 +221,22 @@ def test_backward_saves_no_gathered_rows(fused):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with _fused(fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = tree_attention(q, k, v, plan, SCALE)
+    with fused_kernels(fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
     lse = 4 * sum(g.size * g.lq for g in plan.groups) * 4  # float32 [Hkv, G, r Lq]
     inputs = sum(x.numel() * x.element_size() for x in (q, k, v))
     assert sum(saved.values()) <= inputs + out.numel() * out.element_size() + lse
     assert saved.keys() >= {x.untyped_storage().data_ptr() for x in (q, k, v)}
-    with _fused(fused):
+    with fused_kernels(fused):
         assert all(g.abs().sum() > 0 for g in torch.autograd.grad(out.sum(), (q, k, v)))
 
 
 def test_double_backward_is_refused():
-    forest = harts.build_forest(FORESTS["roots-R4"])
-    args, _ = _plan_args(forest, 0)
+    forest = harts.build_forest(ATTENTION_FORESTS["roots-R4"])
+    args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 4, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
-    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
     (dq,) = torch.autograd.grad((out * out).sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dq.sum().backward()
@@ -296,12 +246,12 @@ def test_double_backward_is_refused():
 def test_lone_key_propagates_nan(fused):
     """As SDPA would: a NaN query of a lone-key token makes its output NaN, the rest stay finite."""
     forest = harts.build_forest([[7], [8, 9]])
-    args, _ = _plan_args(forest, 0)
+    args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 4) for _ in range(3))
     q[:, 0] = float("nan")
     q.requires_grad_()
-    with _fused(fused):
-        out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
+    with fused_kernels(fused):
+        out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
         (dq,) = torch.autograd.grad(out.sum(), (q,))
     assert out[0].isnan().all() and not out[1:].isnan().any()
     assert not dq[:, 1:].isnan().any()
@@ -314,6 +264,6 @@ def test_empty_queries():
                 num_queries=0, num_keys=5)
     q = torch.randn(4, 0, 8, requires_grad=True)
     k, v = torch.randn(2, 5, 8, requires_grad=True), torch.randn(2, 5, 3, requires_grad=True)
-    out = tree_attention(q, k, v, plan_tree_attention(**args), SCALE)
-    ref = masked_tree_attention(q, k, v, plan_reference_mask(**args), SCALE)
+    out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
+    ref = masked_tree_attention(q, k, v, plan_reference_mask(**args), ATTENTION_SCALE)
     assert out.shape == ref.shape == (0, 4, 3)

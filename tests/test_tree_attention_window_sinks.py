@@ -16,7 +16,7 @@ import torch
 import harts
 from harts.ops.tree_attention import masked_tree_attention, path_attention_reference, tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
-from tests.test_tree_attention import FORESTS, SCALE, _fused, _plan_args
+from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, plan_args
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,7 +44,7 @@ def _check(trajectories, window, sinks: bool, cut=0, heads=(4, 2), dk=8, dv=5, d
            fused=True, tol=1e-10):
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
-    args, ext = _plan_args(forest, cut)
+    args, ext = plan_args(forest, cut)
     n, m = args["num_queries"], args["num_keys"]
     h, hkv = heads
     q = torch.randn(h, n, dk, dtype=dtype, requires_grad=True)
@@ -54,13 +54,14 @@ def _check(trajectories, window, sinks: bool, cut=0, heads=(4, 2), dk=8, dv=5, d
     w = torch.randn(n, h, dv, dtype=dtype)
     plan = plan_tree_attention(**args)
     leaves = [x for x in (q, k, v, s) if x is not None]
-    with _fused(fused):
-        out = tree_attention(q, k, v, plan, SCALE, window=window, sinks=s)
+    with fused_kernels(fused):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE, window=window, sinks=s)
         grads = torch.autograd.grad((out * w).sum(), leaves)
     leaves64 = [x.detach().double().requires_grad_() for x in leaves]
     q64, k64, v64 = leaves64[:3]
     s64 = leaves64[3] if sinks else None
-    ref = path_attention_reference(q64, k64, v64, _paths(forest, ext), SCALE, window=window, sinks=s64)
+    ref = path_attention_reference(q64, k64, v64, _paths(forest, ext), ATTENTION_SCALE, window=window,
+                                   sinks=s64)
     ref_grads = torch.autograd.grad((ref * w.double()).sum(), leaves64)
     assert (out.double() - ref).abs().max() <= tol
     for name, g, r in zip("qkvs", grads, ref_grads, strict=False):
@@ -76,38 +77,38 @@ WINDOWS = [1, 2, 3, 7]
 @pytest.mark.parametrize("window", WINDOWS, ids=[f"W{w}" for w in WINDOWS])
 @pytest.mark.parametrize("name", ["deep-binary-D5-S3", "one-token-nodes-D4", "roots-R4"])
 def test_window_matches_per_token_paths(name, window, fused):
-    _check(FORESTS[name], window, sinks=False, fused=fused)
+    _check(ATTENTION_FORESTS[name], window, sinks=False, fused=fused)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5], ids=["full", "W1", "W5"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("name", ["star-P40-G6", "one-token-nodes-D4"])
 def test_sinks_match_per_token_paths(name, fused, window):
-    _check(FORESTS[name], window, sinks=True, fused=fused)
+    _check(ATTENTION_FORESTS[name], window, sinks=True, fused=fused)
 
 
 @pytest.mark.parametrize(("name", "cut"), [("star-P40-G6", 1), ("deep-binary-D5-S3", 3)])
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 def test_window_with_external_keys(name, cut, sinks):
     """A cut part: ancestors' keys computed earlier; the window still counts along the whole path."""
-    _check(FORESTS[name], 4, sinks=sinks, cut=cut)
+    _check(ATTENTION_FORESTS[name], 4, sinks=sinks, cut=cut)
 
 
 @pytest.mark.parametrize("heads,dk,dv", [((4, 4), 8, 8), ((4, 1), 6, 10), ((6, 2), 8, 3)],
                          ids=["H4-Hkv4-K8-V8", "H4-Hkv1-K6-V10", "H6-Hkv2-K8-V3"])
 def test_window_and_sinks_heads_and_widths(heads, dk, dv):
-    _check(FORESTS["deep-binary-D5-S3"], 5, sinks=True, cut=2, heads=heads, dk=dk, dv=dv)
+    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], 5, sinks=True, cut=2, heads=heads, dk=dk, dv=dv)
 
 
 def test_float32_flash_path_with_window_and_sinks():
-    _check(FORESTS["long-P700-G3"], 64, sinks=True, cut=1, heads=(4, 2), dk=16, dv=16, dtype=torch.float32,
-           tol=2e-5)
+    _check(ATTENTION_FORESTS["long-P700-G3"], 64, sinks=True, cut=1, heads=(4, 2), dk=16, dv=16,
+           dtype=torch.float32, tol=2e-5)
 
 
 def test_windowed_plan_gathers_only_the_window():
     """On a 700-token trunk, a window of 32 bounds the keys a block gathers and the exact cost."""
-    forest = harts.build_forest(FORESTS["long-P700-G3"])
-    args, _ = _plan_args(forest, 0)
+    forest = harts.build_forest(ATTENTION_FORESTS["long-P700-G3"])
+    args, _ = plan_args(forest, 0)
     plan = plan_tree_attention(**args)
     windowed = plan.windowed(32)
     assert windowed.window == 32 and windowed is plan.windowed(32)
@@ -122,49 +123,50 @@ def test_windowed_plan_gathers_only_the_window():
 @pytest.mark.parametrize("window", [1, 3, 9])
 def test_reference_mask_window(window):
     """The dense windowed mask agrees with the per-token definition (both references)."""
-    forest = harts.build_forest(FORESTS["one-token-nodes-D4"])
-    args, _ = _plan_args(forest, 0)
+    forest = harts.build_forest(ATTENTION_FORESTS["one-token-nodes-D4"])
+    args, _ = plan_args(forest, 0)
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, forest.num_tokens, 4, dtype=torch.float64) for _ in range(3))
-    dense = masked_tree_attention(q, k, v, plan_reference_mask(**args, window=window), SCALE)
-    loop = path_attention_reference(q, k, v, _paths(forest, 0), SCALE, window=window)
+    dense = masked_tree_attention(q, k, v, plan_reference_mask(**args, window=window), ATTENTION_SCALE)
+    loop = path_attention_reference(q, k, v, _paths(forest, 0), ATTENTION_SCALE, window=window)
     assert torch.allclose(dense, loop, atol=1e-12, rtol=0)
 
 
 def test_window_is_not_a_no_op():
     """The comparison can fail: W=2 differs from full attention on a path longer than 2."""
-    forest = harts.build_forest(FORESTS["chain-N3-T30"])
-    args, _ = _plan_args(forest, 0)
+    forest = harts.build_forest(ATTENTION_FORESTS["chain-N3-T30"])
+    args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 4, dtype=torch.float64) for _ in range(3))
     plan = plan_tree_attention(**args)
-    full, win = tree_attention(q, k, v, plan, SCALE), tree_attention(q, k, v, plan, SCALE, window=2)
+    full = tree_attention(q, k, v, plan, ATTENTION_SCALE)
+    win = tree_attention(q, k, v, plan, ATTENTION_SCALE, window=2)
     assert (full - win).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True])
 def test_bad_window_refused(window):
-    args, _ = _plan_args(harts.build_forest(FORESTS["chain-N3-T30"]), 0)
+    args, _ = plan_args(harts.build_forest(ATTENTION_FORESTS["chain-N3-T30"]), 0)
     plan = plan_tree_attention(**args)
     q = k = v = torch.randn(2, plan.num_queries, 4)
     with pytest.raises(ValueError, match="sliding window must be a positive integer"):
-        tree_attention(q, k, v, plan, SCALE, window=window)
+        tree_attention(q, k, v, plan, ATTENTION_SCALE, window=window)
 
 
 def test_bad_sinks_refused():
-    args, _ = _plan_args(harts.build_forest(FORESTS["chain-N3-T30"]), 0)
+    args, _ = plan_args(harts.build_forest(ATTENTION_FORESTS["chain-N3-T30"]), 0)
     plan = plan_tree_attention(**args)
     q = k = v = torch.randn(2, plan.num_queries, 4)
     with pytest.raises(ValueError, match="sinks must be"):
-        tree_attention(q, k, v, plan, SCALE, sinks=torch.zeros(3))
+        tree_attention(q, k, v, plan, ATTENTION_SCALE, sinks=torch.zeros(3))
 
 
 def test_flex_backend_refuses_windows_and_sinks():
     """The FlexAttention tree attention has no window or sink form: one line, not a wrong result."""
     from harts.ops.fla_backend import flex_tree_attention
 
-    args, _ = _plan_args(harts.build_forest(FORESTS["chain-N3-T30"]), 0)
+    args, _ = plan_args(harts.build_forest(ATTENTION_FORESTS["chain-N3-T30"]), 0)
     plan = plan_tree_attention(**args)
     q = k = v = torch.randn(2, plan.num_queries, 4)
     for extra in ({"window": 4}, {"sinks": torch.zeros(2)}):
         with pytest.raises(ValueError, match="no sliding window or attention sinks"):
-            flex_tree_attention(q, k, v, plan, SCALE, **extra)
+            flex_tree_attention(q, k, v, plan, ATTENTION_SCALE, **extra)
