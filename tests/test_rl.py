@@ -30,8 +30,9 @@ from harts.rl.loop import step_randomness
 from harts.rl.sampler import cache_not_exact
 from harts.rl.task import Episode, decode, encode
 from harts.testing import FAMILIES, tiny_model
-from tests.train_helpers import one_thread  # noqa: F401 (autouse: one thread)
-from tests.train_helpers import write_config as write_train_config
+from tests.helpers import one_thread  # noqa: F401 (autouse: one thread)
+from tests.helpers import write_config as write_train_config
+from tests.reference import GRAD_RTOL
 
 ROOT = Path(__file__).resolve().parents[1]
 # the loop tests want a fast sampler: Gated DeltaNet's reference chunk kernel is quick on the CPU
@@ -180,10 +181,32 @@ def test_tree_and_flat_layouts_give_the_same_gradients(tmp_path, advantage):
     assert abs(losses[Layout.TREE] - losses[Layout.FLAT]) < 1e-6
 
 
+# AdamW settings for comparing layouts: eps above every gradient element (checked against the logged
+# norm), so that the update is Lipschitz in the gradient (see the test's docstring).
+COMPARE_EPS, COMPARE_LR = 100.0, 2.0
+
+
 def test_two_steps_of_tree_and_flat_runs_agree(tmp_path):
     """Same seed, both layouts, two steps each: the same rollouts (rewards) at every step, losses
-    equal to rounding, and parameters that moved by the update agree to fp32 noise."""
-    config = load_rl_config(write_config(tmp_path / "rl.toml", sampling={"prompts_per_step": 8}))
+    equal to rounding, and parameters whose gap is bounded by the gradients' fp32 tolerance.
+
+    With its default eps, AdamW's first steps move an element by about lr * g / (|g| + eps)
+    whatever the size of g, so an element whose gradient sits at rounding level moves by a
+    rounding-dependent fraction of lr, and how many such elements there are depends on the
+    processor's kernels: no count of them bounds anything. With eps >= every |g| (eps >= the
+    gradient norm), the update m / (sqrt(v) + eps) is Lipschitz in the gradients instead. Per
+    element and step, m and sqrt(v) are weighted means (L1 and L2) of the gradients so far, so a
+    gradient gap dg moves m by at most max |dg| and sqrt(v) by at most max |dg|; since
+    sqrt(v) + eps >= eps and |m| <= eps, the update moves by at most 2 lr max |dg| / eps. Each
+    layout's gradient is within GRAD_RTOL of the exact one, so ||dg|| <= 2 GRAD_RTOL ||g||, and
+    over the steps ||gap|| <= sum of 4 lr GRAD_RTOL max ||g|| / eps. A factor of 2 covers the
+    second step's gradient being taken at weights that already differ by the first step's gap (a
+    second-order term: lr / eps times the curvature).
+    """
+    config = load_rl_config(write_config(
+        tmp_path / "rl.toml", {"max_grad_norm": 0}, sampling={"prompts_per_step": 8},
+        optimizer={"lr": COMPARE_LR, "eps": COMPARE_EPS, "weight_decay": 0.0},
+    ))  # fmt: skip
     runs = {}
     for layout in ("tree", "flat"):
         out = tmp_path / layout
@@ -197,18 +220,15 @@ def test_two_steps_of_tree_and_flat_runs_agree(tmp_path):
     assert all(r["reward_std"] > 0 for r in tree_log)  # some answers right: the advantages move the weights
     assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(tree_log, flat_log, strict=True))
     assert tree_log[0]["computed_tokens"] < flat_log[0]["computed_tokens"] == flat_log[0]["tokens"]
+    norms = [r["grad_norm"] for r in tree_log + flat_log]
+    assert max(norms) <= COMPARE_EPS, f"eps must exceed every gradient element: norms {norms}"
     task = RunningSum(config.task)
     start = tiny_model(FAMILY, seed=0, vocab_size=task.vocab_size).state_dict()
     moved = torch.cat([(tree[k] - start[k]).flatten() for k in tree])
     gap = torch.cat([(tree[k] - flat[k]).flatten() for k in tree])
-    assert float(moved.abs().max()) > 1e-3  # two AdamW steps of lr 1e-3 moved the weights
-    # AdamW's first steps move an element by about lr * g / (|g| + eps) whatever the gradient's
-    # size, so the few elements whose gradient is at rounding level move by a rounding-dependent
-    # part of lr; all others agree to 1e-6. Measured (seeds 0-2): gap/moved norms 3e-5 - 1.5e-4,
-    # 28 - 219 of 259k elements beyond 1e-6, largest gap 0.09 lr.
-    assert float(gap.norm() / moved.norm()) < 1e-3
-    assert int((gap.abs() > 1e-6).sum()) < 1e-3 * gap.numel()
-    assert float(gap.abs().max()) < 0.25 * config.optimizer.lr
+    bound = 2 * sum(4 * r["lr"] * GRAD_RTOL * max(norms) / COMPARE_EPS for r in tree_log)
+    assert float(moved.norm()) > 10 * bound  # the update is far above what rounding may move
+    assert float(gap.norm()) <= bound, f"gap {float(gap.norm()):.3e} > bound {bound:.3e}"
 
 
 # ---- the command ---------------------------------------------------------------------------------
