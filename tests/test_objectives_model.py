@@ -15,14 +15,17 @@ model's own plus noise, with a few shifted far down, so PPO's clip (both sides),
 and GSPO's sequence clip are all exercised; the reference refuses data that sits on a clip
 boundary, where fp32 and fp64 could take different branches.
 
-Coverage: every family x every objective x every aggregation on the "branchy" forest (branch
-tokens with different targets per child, a shared token loss-bearing in one trajectory and
-masked in another, a duplicate, a trajectory that is a prefix of another); the "two-groups"
-forest (two prompts, a fully masked trajectory) with the step split into micro-batches, and with
-advantages from every estimator feeding PPO.
-
-Run time: about 10 s on 2 cores with ``OMP_NUM_THREADS=1``. With two OpenMP threads on a busy
-2-core machine the first fp64 reference alone can take 20-30 s of spinning.
+Coverage. The objective and its aggregation are functions of the rows (log-probs, entropies,
+annotations), checked without a model on many forests in ``test_objectives.py``; the family
+decides how the rows and their gradients come out of the model. So each check crosses the axes
+that meet: every family with one objective (PPO with the k3 KL and the entropy bonus, whose
+gradient reaches every logit of each row), and every objective x every aggregation on two
+families, one full-attention (qwen3) and one hybrid (qwen3_next), both in every supported
+transformers. The forests: "branchy" (branch tokens with different targets per child, a shared
+token loss-bearing in one trajectory and masked in another, a duplicate, a trajectory that is a
+prefix of another) whole and under budgets that cut it at every node or inside nodes;
+"two-groups" (two prompts, a fully masked trajectory) with the step split into micro-batches,
+and with advantages from every estimator feeding PPO.
 
 Conditioning note: the most sensitive quantity here is bailing_hybrid's last-layer
 ``forget_gate.A_log`` gradient under clipped losses, a sum with heavy cancellation (norm ~5e-5
@@ -355,9 +358,27 @@ def _config(name, mode):
 
 
 # ---- tests ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
-@pytest.mark.parametrize("family", FAMILIES)
+FAMILY_OBJECTIVE = "ppo-kl_k3-entropy"  # the objective every family runs
+FAMILY_MODE = Aggregation.SEQ_MEAN_TOKEN_MEAN
+CROSS_FAMILIES = ("qwen3", "qwen3_next")  # every objective x aggregation: full attention, hybrid
+
+
+def crossed(modes=(FAMILY_MODE,)) -> list[tuple[str, str, Aggregation]]:
+    """(family, objective, aggregation): every family with the family objective, then every
+    objective x ``modes`` on the cross families (ids spell all three)."""
+    cases = [(f, FAMILY_OBJECTIVE, FAMILY_MODE) for f in FAMILIES]
+    cases += [(f, o, m) for f in CROSS_FAMILIES for o in OBJECTIVES for m in modes]
+    return list(dict.fromkeys(cases))
+
+
+def crossed_ids(cases) -> list[str]:
+    return ["-".join(str(getattr(x, "value", x)) for x in case) for case in cases]
+
+
+BRANCHY_CASES = crossed(MODES)
+
+
+@pytest.mark.parametrize("family,objective,mode", BRANCHY_CASES, ids=crossed_ids(BRANCHY_CASES))
 def test_objective_on_branchy_forest_matches_per_trajectory_stock(family, objective, mode):
     case = case_of(family, "branchy-B5")
     metrics = check(case, _config(objective, mode), [list(range(len(case.trajs)))])["metrics"]
@@ -367,16 +388,15 @@ def test_objective_on_branchy_forest_matches_per_trajectory_stock(family, object
         assert float(metrics[0]["dual_clip_fraction"]) > 0
 
 
-MICRO_BATCH_CASES = [(f, "ppo-kl_k3-entropy", m, "mb3") for f in FAMILIES for m in MODES] + [
+MICRO_BATCH_CASES = [(f, FAMILY_OBJECTIVE, FAMILY_MODE, "mb3") for f in FAMILIES] + [
+    (f, FAMILY_OBJECTIVE, m, "mb3") for f in CROSS_FAMILIES for m in MODES if m is not FAMILY_MODE
+] + [
     (f, o, m, "mb2") for f in ("qwen3_next", "bailing_hybrid") for o in ("sft", "gspo-clip0.05-0.08")
     for m in (Aggregation.SEQ_MEAN_TOKEN_MEAN, Aggregation.SEQ_MEAN_TOKEN_SUM_NORM)
 ]  # fmt: skip
 
 
-MICRO_BATCH_IDS = ["-".join([f, o, m.value, s]) for f, o, m, s in MICRO_BATCH_CASES]
-
-
-@pytest.mark.parametrize("family,objective,mode,split", MICRO_BATCH_CASES, ids=MICRO_BATCH_IDS)
+@pytest.mark.parametrize("family,objective,mode,split", MICRO_BATCH_CASES, ids=crossed_ids(MICRO_BATCH_CASES))
 def test_micro_batches_with_global_normalizers_match_whole_step(family, objective, mode, split):
     case = case_of(family, "two-groups-B6")
     check(case, _config(objective, mode), SPLITS[split])
@@ -473,12 +493,15 @@ def test_forests_hold_the_cases_they_claim():
 BUDGETS = [1, 5]
 
 
+STEP_CASES = [(f, o) for f, o, _ in crossed()]
+STEP_IDS = [f"{f}-{o}" for f, o in STEP_CASES]
+
+
 @pytest.mark.parametrize("budget", BUDGETS, ids=[f"budget{b}" for b in BUDGETS])
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,objective", STEP_CASES, ids=STEP_IDS)
 def test_budgeted_step_matches_per_trajectory_stock_and_unbudgeted_step(family, objective, budget):
-    """Every objective, every family, under budgets that cut the forest at every node (1) or
-    inside nodes (5): loss and gradients against the reference, metrics against no budget."""
+    """Under budgets that cut the forest at every node (1) or inside nodes (5): loss and
+    gradients against the reference, metrics against no budget."""
     case = case_of(family, "branchy-B5")
     config = _config(objective, Aggregation.SEQ_MEAN_TOKEN_MEAN)
     parts = [list(range(len(case.trajs)))]
@@ -489,8 +512,7 @@ def test_budgeted_step_matches_per_trajectory_stock_and_unbudgeted_step(family, 
         assert abs(float(cut[name]) - float(whole[name])) <= 1e-5 * max(1.0, abs(float(whole[name]))), name
 
 
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,objective", STEP_CASES, ids=STEP_IDS)
 def test_micro_batches_of_whole_trees_run_once(family, objective):
     """Two trees, each its own micro-batch: each runs forward and backward once, on its own rows
     (no first pass without autograd), and the step still matches the reference."""
