@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ from harts.testing import FAMILIES, tiny_model
 
 __all__ = [
     "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "flat_budgets",
+    "flat_budget_variants",
     "is_flat_variant", "make_trajectories",
 ]  # fmt: skip
 
@@ -219,23 +220,28 @@ def is_flat_variant(name: str) -> bool:
 
 
 def flat_budgets(cfg: BenchConfig, flat: Forest) -> dict[str, int | None]:
-    """The flat variants of a case by name, each with its budget (None: one micro-batch).
+    """The flat variants of a case by name, each with its budget (None: one micro-batch): the
+    tree's budget, no budget and each of ``cfg.flat_budgets`` (:func:`flat_budget_variants`)."""
+    return flat_budget_variants(cfg.run.budget_tokens, cfg.flat_budgets, flat)
 
-    A budget that holds the whole flat forest runs it as one micro-batch, the same step as no
-    budget, so only distinct micro-batch plans are timed.
-    """
 
-    def effective(budget: int | None) -> int | None:
-        if budget is None or budget >= flat.num_tokens:
+def flat_budget_variants(budget: int | None, others: Iterable[int], flat: Forest) -> dict[str, int | None]:
+    """``{"flat": budget, "flat_whole": None, "flat_<B>": B for B in others}``, keeping only
+    distinct micro-batch plans: a budget that holds the whole flat forest runs it as one
+    micro-batch, the same step as no budget, and one below the longest trajectory is raised to it
+    (:func:`flat_run`)."""
+
+    def effective(b: int | None) -> int | None:
+        if b is None or b >= flat.num_tokens:
             return None
-        return flat_run(RunConfig(budget_tokens=budget), flat).budget_tokens
+        return flat_run(RunConfig(budget_tokens=b), flat).budget_tokens
 
-    budgets: dict[str, int | None] = {"flat": cfg.run.budget_tokens}
-    seen = {effective(cfg.run.budget_tokens)}
+    budgets: dict[str, int | None] = {"flat": budget}
+    seen = {effective(budget)}
     if None not in seen:
         budgets["flat_whole"] = None
         seen.add(None)
-    for b in sorted(set(cfg.flat_budgets)):
+    for b in sorted(set(others)):
         if effective(b) not in seen:
             budgets[f"flat_{b}"] = b
             seen.add(effective(b))
