@@ -1,15 +1,17 @@
 """One rank of the multi-process tests, started by ``torchrun`` (gloo, CPU): see test_distributed.py.
 
-``python -m torch.distributed.run --nproc_per_node=N tests/distributed_worker.py MODE FAMILY OUT``
+``torchrun --nproc_per_node=N tests/distributed_worker.py step FAMILY OUT [VARIANT]...``
 
-- ``step``: for DDP, then FSDP2: the batch of :func:`batch` split by
-  :func:`harts.plan.ranks.assign_trees`, one ``harts.rollout_step`` on the wrapped model and one
-  AdamW step; rank 0 writes the full gradients, the loss and the parameters after the step to
-  ``OUT`` (``torch.save``, a dict by wrapper kind).
+- ``step``: for each variant (default: every one of :data:`VARIANTS`), the batch of :func:`batch`
+  split by :func:`harts.plan.ranks.assign_trees`, one ``harts.rollout_step`` on the wrapped model
+  and one AdamW step; rank 0 writes the full gradients, the loss and the parameters after the
+  step to ``OUT`` (``torch.save``, a dict by variant). :func:`reference` is the same step on one
+  process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from datetime import timedelta
 
@@ -68,27 +70,79 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def step(kind: str, family: str) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A wrapper and a path through the step: every path a sharded step must hold on."""
+
+    kind: str  # "ddp" or "fsdp"
+    run: harts.RunConfig = harts.RunConfig(budget_tokens=48)  # cut trees, parts run again (no hold)
+    loss: harts.PolicyLossConfig = LOSS
+    checkpointing: bool = False
+    moe: bool = False
+    # compared with this variant's run on the same ranks (the same work on each rank) instead of
+    # with one process
+    baseline: str | None = None
+
+
+VARIANTS = {
+    "ddp": Variant("ddp"),
+    "fsdp": Variant("fsdp"),
+    # every part that later parts read keeps its graph: spines' backwards after their readers'
+    "fsdp-held": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=10**9)),
+    # GSPO's sequence ratio: cut trees take the three passes (all forwards, then backwards)
+    "fsdp-gspo": Variant("fsdp", loss=harts.PolicyLossConfig(kind="gspo", clip_low=0.05, clip_high=0.08)),
+    "fsdp-checkpointing": Variant("fsdp", checkpointing=True),
+    "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
+    "fsdp-moe-stats": Variant("fsdp", moe=True),
+    # no budget: one micro-batch a rank, whose forest (and so its linear-attention plan) differs
+    # from one process's single micro-batch of the whole batch
+    "ddp-whole": Variant("ddp", run=harts.RunConfig()),
+    "fsdp-whole": Variant("fsdp", run=harts.RunConfig(), baseline="ddp-whole"),
+}
+
+
+def model_for(family: str, variant: Variant) -> torch.nn.Module:
     model = tiny_model(family, seed=0)
+    if variant.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def one_step(model, rollouts, variant: Variant) -> dict:
+    """One step of ``variant`` on ``model`` (wrapped or not) and one AdamW step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    moe = harts.MoEConfig(aux_loss_coef=0.0) if variant.moe else None
+    result = harts.rollout_step(model, rollouts, variant.loss, run=variant.run, moe=moe)
+    grads = full_grads(model)
+    optimizer.step()
+    out = {"loss": result.loss, "grads": grads, "params": full_params(model)}
+    if result.moe is not None:
+        out["expert_counts"] = result.moe.expert_counts.clone()
+    return out
+
+
+def reference(family: str, variant: Variant) -> dict:
+    """The variant's step on one process over the whole batch."""
+    model = model_for(family, variant)
+    return one_step(model, batch(model.config.vocab_size), variant)
+
+
+def step(family: str, variant: Variant) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_for(family, variant)
     rollouts = batch(model.config.vocab_size)
     forest = harts.build_forest([r.tokens for r in rollouts])
     mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
-    wrapped = wrap(model, kind)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    result = harts.rollout_step(wrapped, mine, LOSS, budget_tokens=48)
-    grads = full_grads(wrapped)
-    optimizer.step()
-    return {"loss": result.loss, "grads": grads, "params": full_params(wrapped)}
+    return one_step(wrap(model, variant.kind), mine, variant)
 
 
 def main() -> None:
-    mode, family, out = sys.argv[1:4]
+    mode, family, out, *names = sys.argv[1:]
     assert mode == "step", mode
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        results = {kind: step(kind, family) for kind in ("ddp", "fsdp")}
+        results = {name: step(family, VARIANTS[name]) for name in names or VARIANTS}
         if dist.get_rank() == 0:
             torch.save(results, out)
     finally:

@@ -30,6 +30,7 @@ compute.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from harts.runtime.model_checks import sharded_step
+from harts.runtime.sharded import ShardedStep
 
 __all__ = [
     "DataParallel", "all_reduce_sum", "data_parallel", "data_parallel_step", "unwrap_data_parallel",
@@ -54,6 +58,7 @@ class DataParallel:
     kind: str
     wrapper: nn.Module
     group: object | None = None
+    sharded: ShardedStep | None = None  # inside an FSDP2 step: its units, gathered one at a time
 
     @property
     def world_size(self) -> int:
@@ -190,25 +195,6 @@ def _restore(params: list[nn.Parameter], held: list[Tensor | None]) -> None:
         p.grad = before
 
 
-def _local_shard(full: Tensor, sharded) -> Tensor:
-    """This rank's piece of ``full`` as FSDP2 shards it (dim-0 chunks of ``torch.chunk``)."""
-    from torch.distributed.tensor import Shard
-
-    placement = sharded.placements[0]
-    if len(sharded.placements) != 1 or not isinstance(placement, Shard):
-        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
-                         f"{sharded.placements}")  # fmt: skip
-    mesh = sharded.device_mesh
-    rank, world = mesh.get_local_rank(), mesh.size()
-    chunks = torch.chunk(full, world, dim=placement.dim)
-    local = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
-    expected = tuple(sharded.to_local().shape)
-    if tuple(local.shape) != expected:
-        raise ValueError(f"unexpected FSDP2 shard shape {expected} for a parameter of shape "
-                         f"{tuple(full.shape)} (expected {tuple(local.shape)})")  # fmt: skip
-    return local
-
-
 def _check_fsdp_units(model: nn.Module, modules: list[nn.Module]) -> None:
     """FSDP2 units only where harts never calls the module's forward (the model, its backbone, its
     decoder layers): on a module harts calls (embedding, MLP, head) FSDP2's hooks would reshard
@@ -229,48 +215,22 @@ def _check_fsdp_units(model: nn.Module, modules: list[nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def _fsdp_step(dp: DataParallel) -> Iterator[nn.Module]:
-    from torch.distributed.tensor import DTensor
+def _fsdp_step(dp: DataParallel) -> Iterator[tuple[nn.Module, DataParallel]]:
+    from harts.adapters import adapter_for
 
     model = dp.wrapper
     modules = _fsdp_modules(model)
     _check_fsdp_units(model, modules)
-    sharded = _trainable(model)
-    held = _take_grads([p for _, p in sharded])
-    for m in modules:
-        m.unshard()
+    layers = list(adapter_for(model).backbone(model).layers[: model.config.num_hidden_layers])
+    step = ShardedStep(model, layers, modules, dp.group)
+    step.begin()
     try:
-        full = dict(_trainable(model))
-        if full.keys() != dict(sharded).keys():
-            raise ValueError("FSDP2 unshard changed the model's parameter names; harts cannot match them")
-        unsharded = [full[n] for n, _ in sharded]
-        for p in unsharded:
-            p.grad = None
-        try:
-            yield model
-        except BaseException:
-            for p in unsharded:
-                p.grad = None
-            _restore([s for _, s in sharded], held)
-            raise
-        grads = [p.grad for p in unsharded]
-        for p in unsharded:
-            p.grad = None
-        like = [torch.empty(p.shape, dtype=s.dtype, device=p.device)
-                for p, (_, s) in zip(unsharded, sharded, strict=True)]  # fmt: skip
-        summed = _sum_over_ranks(dp, grads, like)
-        local = []
-        for (_, s), g in zip(sharded, summed, strict=True):
-            if g is None or not isinstance(s, DTensor):
-                local.append(g)  # a parameter fully_shard left replicated keeps the full sum
-                continue
-            piece = _local_shard(g, s)
-            local.append(DTensor.from_local(piece.contiguous(), s.device_mesh, s.placements,
-                                            shape=s.shape, stride=s.stride()))  # fmt: skip
-    finally:
-        for m in modules:
-            m.reshard()
-    _add_back([s for _, s in sharded], held, local)
+        with sharded_step(model):
+            yield model, dataclasses.replace(dp, sharded=step)
+    except BaseException:
+        step.abort()
+        raise
+    step.end()
 
 
 @contextlib.contextmanager
@@ -283,5 +243,9 @@ def data_parallel_step(model: nn.Module) -> Iterator[tuple[nn.Module, DataParall
         warn_unwrapped(model)
         yield model, None
         return
-    with (_ddp_step(dp) if dp.kind == "ddp" else _fsdp_step(dp)) as module:
-        yield module, dp
+    if dp.kind == "ddp":
+        with _ddp_step(dp) as module:
+            yield module, dp
+    else:
+        with _fsdp_step(dp) as (module, sharded_dp):
+            yield module, sharded_dp

@@ -14,6 +14,7 @@ conv inputs and states handed over by earlier micro-batches and returns what it 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
 from harts.runtime.handoff import LayerHandoff, MixerContext
 from harts.runtime.model_checks import check_model, hooked, resolve_model
+from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = [
     "forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for", "row_logprobs",
@@ -158,16 +160,23 @@ def run_layout(
     layout: TreeLayout,
     external: list[LayerHandoff] | None = None,
     recompute_linear: bool = False,
+    sharded: ShardedStep | None = None,
+    segments: PartSegments | None = None,
 ) -> tuple[torch.Tensor, list[LayerHandoff]]:
     """Final hidden states [n, D] of the layout's tokens, and what each layer hands on.
 
     ``recompute_linear``: linear-attention calls save only their inputs and run again in backward.
+    ``sharded``: an FSDP2 step that gathers each decoder layer's unit around the layer; with
+    ``segments`` the graph is cut at every layer and the pieces recorded there, for the step's
+    layer-by-layer backward (:mod:`harts.runtime.sharded`).
     """
     adapter = adapter_for(model)
     backbone = adapter.backbone(model)
     layers = backbone.layers[: model.config.num_hidden_layers]
     mixers = [adapter.mixer(layer, adapter.layer_type(model, i)) for i, layer in enumerate(layers)]
     hidden = adapter.embedding(backbone)(layout.tokens)[None]  # [1, n, D]
+    if sharded is not None:
+        hidden = sharded.embedded(hidden, segments)
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
@@ -185,9 +194,13 @@ def run_layout(
         if checkpointed(model, layer):
             # The model's gradient-checkpointing flag, honoured per decoder layer. Non-reentrant, so
             # what the layer hands to later micro-batches (computed inside) keeps its gradient.
-            hidden = checkpoint(block, hidden, index, layer, module, mixer, use_reentrant=False)
+            run = functools.partial(checkpoint, block, index=index, layer=layer, module=module, mixer=mixer,
+                                    use_reentrant=False)  # fmt: skip
         else:
-            hidden = block(hidden, index, layer, module, mixer)
+            run = functools.partial(block, index=index, layer=layer, module=module, mixer=mixer)
+        hidden = run(hidden) if sharded is None else sharded.layer(index, run, hidden, segments)
+    if sharded is not None:
+        hidden = sharded.top(hidden, segments)
     return adapter.final_norm(backbone)(hidden)[0], ctx.exports
 
 

@@ -21,22 +21,39 @@ Hooks on the modules harts does call (embedding, norms, MLP, projections, head) 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 
 from harts.adapters import adapter_for
 
-__all__ = ["resolve_model", "check_model", "hooked"]
+__all__ = ["resolve_model", "check_model", "hooked", "sharded_step"]
 
 _DDP_NAMES = ("DistributedDataParallel", "FullyShardedDataParallel")
+_IN_SHARDED_STEP: set[int] = set()  # FSDP2 models a data-parallel step is running, unit by unit
+
+
+@contextlib.contextmanager
+def sharded_step(model: nn.Module) -> Iterator[None]:
+    """While a data-parallel step gathers ``model``'s FSDP2 units itself, harts runs it."""
+    _IN_SHARDED_STEP.add(id(model))
+    try:
+        yield
+    finally:
+        _IN_SHARDED_STEP.discard(id(model))
 
 
 def _distributed_wrapper(module: nn.Module) -> str | None:
-    """The data-parallel wrapper harts cannot run here; an FSDP2 model whose parameters a
-    data-parallel step has unsharded is a plain model for the step's duration."""
+    """The data-parallel wrapper harts cannot run here; an FSDP2 model that a data-parallel step
+    is running (its units gathered one at a time, :mod:`harts.runtime.sharded`) is runnable for
+    the step's duration."""
     for cls in type(module).__mro__:
         if cls.__name__ in _DDP_NAMES:
             return cls.__name__
         if cls.__name__ == "FSDPModule":
+            if id(module) in _IN_SHARDED_STEP:
+                return None
             sharded = any(type(p).__name__ == "DTensor" for p in module.parameters())
             return "FSDPModule (sharded by fully_shard)" if sharded else None
     return None

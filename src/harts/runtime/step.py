@@ -67,6 +67,7 @@ from harts.runtime.executor import (
     run_layout,
 )
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
+from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
 
@@ -181,6 +182,7 @@ class _PartRun:
     entropy: Tensor | None
     leaves: list[tuple[int, str, int | None, Tensor]]  # (layer, name, state node, leaf)
     extra: Tensor | None  # the observer's loss term
+    segments: PartSegments | None = None  # the graph cut at every layer (an FSDP2 step)
 
 
 class _Clock:
@@ -198,8 +200,9 @@ class _Clock:
 class _Parts:
     """The parts of one step: their forwards, backwards, and the two orders they run in."""
 
-    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, temperature):
+    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, temperature, sharded=None):
         self.model, self.loss_fn, self.run, self.observer = model, loss_fn, run, observer
+        self.sharded = sharded
         self.temperature = temperature
         self.target = target
         self.device = model_device(model)
@@ -256,16 +259,21 @@ class _Parts:
                     h.states[node] = leaf
                     leaves.append((layer, "state", node, leaf))
         lp = en = None
+        segments = None
+        if self.sharded is not None:
+            self.sharded.enter_forward()
+            segments = PartSegments() if grad else None
         self.observer.before_part(p, lay, first)
         with torch.set_grad_enabled(grad):
-            hidden, exports = run_layout(self.model, lay, ext, self.run.recompute_linear)
+            hidden, exports = run_layout(self.model, lay, ext, self.run.recompute_linear, self.sharded,
+                                         segments)  # fmt: skip
             if rows.size:
                 local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
                 lp, en = row_logprobs(
                     self.model.lm_head, hidden, local, self.target[rows].to(self.device), self.run.chunk_rows,
                     self.temperature,
                 )  # fmt: skip
-        part_run = _PartRun(exports, lp, en, leaves, self.observer.after_part(p, lay, first, grad))
+        part_run = _PartRun(exports, lp, en, leaves, self.observer.after_part(p, lay, first, grad), segments)
         if first and lp is not None:  # keep the rows' values (recomputation gives the same ones)
             rows_t = self.rows(p)
             self.logp[rows_t] = lp.detach().to(self.logp.dtype)
@@ -288,18 +296,27 @@ class _Parts:
         Nothing of the part (graph outputs, leaves and their gradients, which are often views of
         whole-layer gradient buffers) outlives this call, so none stays alive while the next part runs.
         """
-        tensors, grads = [t for t, _ in row_terms], [g for _, g in row_terms]
-        for (layer, name, node), g in self.clock.timed("handoff", self.banks.received, p).items():
-            h = part_run.exports[layer]
-            tensors.append(h.states[node] if name == "state" else getattr(h, name))
-            grads.append(g)
-        if part_run.extra is not None:
-            tensors.append(part_run.extra)
-            grads.append(torch.ones_like(part_run.extra))
-        # with frozen parameters (LoRA, a frozen layer, head-only training) some outputs have no graph
-        live = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
-        if live:
-            torch.autograd.backward([t for t, _ in live], [g for _, g in live])
+        received = self.clock.timed("handoff", self.banks.received, p)
+        exported = [(layer, self._export(part_run, layer, name, node), g)
+                    for (layer, name, node), g in received.items()]  # fmt: skip
+        if self.sharded is not None:  # layer by layer, each unit gathered for its own backward
+            if part_run.extra is not None:
+                raise ValueError("an observer's loss term is not supported in a sharded (FSDP2) step")
+            by_layer: dict[int, list[tuple[Tensor, Tensor]]] = {}
+            for layer, t, g in exported:
+                by_layer.setdefault(layer, []).append((t, g))
+            self.sharded.enter_backward()
+            self.sharded.backward(part_run.segments, row_terms, by_layer)
+        else:
+            tensors = [t for t, _ in row_terms] + [t for _, t, _ in exported]
+            grads = [g for _, g in row_terms] + [g for _, _, g in exported]
+            if part_run.extra is not None:
+                tensors.append(part_run.extra)
+                grads.append(torch.ones_like(part_run.extra))
+            # with frozen parameters (LoRA, a frozen layer, head-only training) some outputs have no graph
+            live = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+            if live:
+                torch.autograd.backward([t for t, _ in live], [g for _, g in live])
 
         def route():
             for layer, name, node, leaf in part_run.leaves:
@@ -308,6 +325,11 @@ class _Parts:
                     self.banks.send_back(p, layer, name, node, grad)
 
         self.clock.timed("handoff", route)
+
+    @staticmethod
+    def _export(part_run: _PartRun, layer: int, name: str, node: int | None) -> Tensor:
+        h = part_run.exports[layer]
+        return h.states[node] if name == "state" else getattr(h, name)
 
     # ---- a loss that is a sum over trajectories of each one's rows: every part's own loss --------
     def own_loss_terms(self, p: int, part_run: _PartRun) -> list[tuple[Tensor, Tensor]]:
@@ -418,6 +440,7 @@ def forest_backward(
     run: RunConfig | None = None,
     observer: PartObserver | None = None,
     temperature: float = 1.0,
+    sharded: ShardedStep | None = None,
 ) -> StepResult:
     """Accumulate into ``.grad`` the gradients of ``loss_fn(logprob, entropy)`` over rows.
 
@@ -431,8 +454,10 @@ def forest_backward(
     ``run.budget_tokens``) cuts the forest into micro-batches; ``run`` holds the other execution
     knobs (:class:`~harts.runtime.config.RunConfig`).
     ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
-    distribution a sampler at T drew from. Every check runs before any compute. Returns the
-    loss, the row log-probs and entropies, and what the plan did.
+    distribution a sampler at T drew from. ``sharded``: the FSDP2 step of
+    :func:`harts.runtime.distributed.data_parallel_step` (units gathered one at a time; the
+    model is that step's). Every check runs before any compute. Returns the loss, the row
+    log-probs and entropies, and what the plan did.
     """
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
@@ -442,7 +467,7 @@ def forest_backward(
     predictor, target = _check_rows(forest, predictor, target, model.lm_head)
     by_trajectory = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
     by_row = by_trajectory and getattr(loss_fn, "separable_rows", False)
-    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, temperature)
+    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, temperature, sharded)
     everything = list(range(len(parts.layouts)))
     if len(everything) == 1 or by_row:
         parts.depth_first(everything)

@@ -154,7 +154,7 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     with recorder if recorder is not None else nullcontext():
         result = forest_backward(
             model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
-            temperature=config.temperature,
+            temperature=config.temperature, sharded=dp.sharded if dp is not None else None,
         )  # fmt: skip
     result.rows = rows
     if observer is not None:

@@ -1,0 +1,306 @@
+"""FSDP2 units gathered one at a time inside harts' step, as FSDP2 itself gathers them.
+
+harts runs a model's parts itself, so FSDP2's forward hooks never fire. Under
+:class:`ShardedStep` the step does their work, unit by unit:
+
+- **Outer units** (the model and its backbone: embeddings, final norm, head) are gathered once
+  for the whole step, as FSDP2 keeps its root gathered from forward to the end of backward.
+- **Decoder-layer units** are gathered right before a part's forward runs the layer and resharded
+  right after (:meth:`ShardedStep.layer`). The layer's input is cut from the graph (a leaf), so a
+  part's backward runs layer by layer (:meth:`ShardedStep.backward`): the unit is gathered again,
+  the layer's graph runs backward from its output and its exports (what later parts read), and
+  its gradient is summed over the ranks and this rank's shard is added to the sharded
+  parameter's ``.grad`` (a DTensor) before the unit is resharded. Saved activations that are the
+  parameters themselves share the unsharded storage that the gather refills, as under FSDP2.
+- The outer units' gradients are summed once, when the step ends; then they are resharded.
+
+Every gather and sum is a collective, so every rank must issue the same sequence of them, while
+ranks hold different trees and run different numbers of forwards and backwards. Before each
+part's forward or backward the ranks agree in lock step (:class:`_Lockstep`: one small
+all-gather of what each rank runs next); a rank whose next operation is not the one chosen runs
+a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. Gradients are
+summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
+parameter no rank used keeps ``.grad`` None, as on one process.
+
+The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory);
+a layer unit's next gather is started while the current layer computes (forward prefetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ShardedStep", "PartSegments", "LayerSegment"]
+
+Tensor = torch.Tensor
+_FORWARD, _BACKWARD, _DONE = 2, 1, 0
+
+
+@dataclass
+class LayerSegment:
+    """One layer's piece of a part's graph: its input leaf and its output."""
+
+    index: int
+    leaf: Tensor
+    output: Tensor
+
+
+@dataclass
+class PartSegments:
+    """A part's graph cut at every layer: the embedding output, one segment per layer, the input
+    leaf of the final norm (where the rows' graph starts)."""
+
+    embedded: Tensor | None = None
+    layers: list[LayerSegment] = field(default_factory=list)
+    top: Tensor | None = None
+
+
+class _Unit:
+    """One FSDP2 unit: the module, its trainable sharded parameters by name."""
+
+    def __init__(self, module: nn.Module, names: list[str], params: list[nn.Parameter]):
+        self.module = module
+        self.names = names
+        self.sharded = params
+        self.grad_before = [p.grad is not None for p in params]
+        self.used = torch.zeros(len(params))
+
+    def unsharded(self) -> list[Tensor]:
+        """The unsharded parameters (the module must be unsharded), in ``names`` order."""
+        current = dict(self.module.named_parameters())
+        return [current[n] for n in self.names]
+
+
+class _Lockstep:
+    """Ranks agree on the kind of each operation: forward (gathers), backward (gathers and sums)."""
+
+    def __init__(self, group, stand_in: Callable[[int], None]):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.stand_in = stand_in
+
+    def _round(self, mine: int) -> int:
+        codes = torch.tensor([mine], dtype=torch.int64)
+        everyone = [torch.empty_like(codes) for _ in range(self.world)]
+        dist.all_gather(everyone, codes, group=self.group)
+        return max(int(c) for c in everyone)
+
+    def enter(self, kind: int) -> None:
+        """Return when every rank runs an operation of ``kind`` now (or a stand-in of it)."""
+        while (chosen := self._round(kind)) != kind:
+            self.stand_in(chosen)
+
+    def finish(self) -> None:
+        """Stand in for the others' operations until every rank is done."""
+        while (chosen := self._round(_DONE)) != _DONE:
+            self.stand_in(chosen)
+
+
+class ShardedStep:
+    """One step of an FSDP2 model with its units gathered one at a time (module docstring)."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None):
+        layer_ids = {id(m) for m in layers}
+        self.group = group
+        self.layers: list[_Unit | None] = []
+        in_layers: set[int] = set()
+        for layer in layers:
+            if id(layer) in {id(m) for m in fsdp_modules}:
+                named = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+                self.layers.append(_Unit(layer, [n for n, _ in named], [p for _, p in named]))
+                in_layers.update(id(p) for _, p in named)
+            else:
+                self.layers.append(None)  # not a unit of its own: its parameters are the outer units'
+        self.outer_modules = [m for m in fsdp_modules if id(m) not in layer_ids]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_layers]
+        self.model = model
+        self.outer = _Unit(model, [n for n, _ in named], [p for _, p in named])
+        self.lockstep = _Lockstep(group, self._stand_in)
+        self._pending = None  # the next layer unit's gather, started during the current layer
+
+    # ---- the step's frame ---------------------------------------------------------------------
+    def begin(self) -> None:
+        for m in self.outer_modules:
+            m.unshard()
+
+    def end(self) -> None:
+        """After every part: wait for the other ranks, sum the outer units' gradients, reshard them,
+        and leave ``.grad`` None where no rank produced a gradient."""
+        self.lockstep.finish()
+        self._reduce(self.outer)
+        for m in self.outer_modules:
+            m.reshard()
+        units = [u for u in self.layers if u is not None] + [self.outer]
+        used = torch.cat([u.used for u in units])
+        dist.all_reduce(used, group=self.group)
+        offset = 0
+        for u in units:
+            for p, before, count in zip(u.sharded, u.grad_before, used[offset : offset + len(u.sharded)],
+                                        strict=True):  # fmt: skip
+                if count == 0 and not before:
+                    p.grad = None
+            offset += len(u.sharded)
+
+    def abort(self) -> None:
+        """Reshard everything after an error (the other ranks fail on their next collective)."""
+        for unit in self.layers:
+            if unit is not None:
+                unit.module.reshard()
+        for m in self.outer_modules:
+            m.reshard()
+
+    # ---- forward -----------------------------------------------------------------------------------
+    def enter_forward(self) -> None:
+        self.lockstep.enter(_FORWARD)
+
+    def enter_backward(self) -> None:
+        self.lockstep.enter(_BACKWARD)
+
+    def embedded(self, hidden: Tensor, segments: PartSegments | None) -> Tensor:
+        if segments is None:
+            return hidden
+        segments.embedded = hidden
+        return hidden.detach().requires_grad_()
+
+    def layer(self, index: int, fn: Callable[[Tensor], Tensor], hidden: Tensor,
+              segments: PartSegments | None) -> Tensor:  # fmt: skip
+        """Layer ``index`` of a part's forward with its unit gathered; with ``segments`` (autograd),
+        its input becomes a leaf and the segment is recorded."""
+        unit = self.layers[index]
+        if unit is not None:
+            self._gather(index)
+            self._prefetch(index + 1)
+        try:
+            out = fn(hidden)
+        finally:
+            if unit is not None:
+                unit.module.reshard()
+        if segments is None:
+            return out
+        segments.layers.append(LayerSegment(index, hidden, out))
+        return out.detach().requires_grad_()
+
+    def top(self, hidden: Tensor, segments: PartSegments | None) -> Tensor:
+        if segments is not None:
+            segments.top = hidden
+        return hidden
+
+    def _gather(self, index: int) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == index:
+            pending[1].wait()
+        else:
+            if pending is not None:
+                pending[1].wait()
+            self.layers[index].module.unshard()
+
+    def _prefetch(self, index: int) -> None:
+        while index < len(self.layers) and self.layers[index] is None:
+            index += 1
+        if index < len(self.layers):
+            self._pending = (index, self.layers[index].module.unshard(async_op=True))
+
+    # ---- backward ------------------------------------------------------------------------------
+    def backward(self, segments: PartSegments, top_roots: list[tuple[Tensor, Tensor]],
+                 layer_roots: dict[int, list[tuple[Tensor, Tensor]]]) -> None:  # fmt: skip
+        """A part's backward, layer by layer: ``top_roots`` (row outputs and their gradients) into
+        the final norm's input, then each layer, last first, from its output (the gradient its
+        successor sent) and ``layer_roots[index]`` (its exports' gradients from later parts)."""
+        _backward(top_roots)
+        grad = segments.top.grad if segments.top is not None else None
+        by_index = {s.index: s for s in segments.layers}
+        for index in reversed(range(len(self.layers))):
+            segment = by_index.get(index)
+            roots = list(layer_roots.get(index, []))
+            if segment is not None and grad is not None:
+                roots.append((segment.output, grad))
+            unit = self.layers[index]
+            if unit is not None:
+                unit.module.unshard()
+            try:
+                _backward(roots)
+                if unit is not None:
+                    self._reduce(unit)
+            finally:
+                if unit is not None:
+                    unit.module.reshard()
+            grad = segment.leaf.grad if segment is not None else None
+        if segments.embedded is not None and grad is not None:
+            _backward([(segments.embedded, grad)])
+
+    # ---- stand-ins and sums --------------------------------------------------------------------
+    def _stand_in(self, kind: int) -> None:
+        """Another rank's forward (every layer unit gathered, in order) or backward (every layer
+        unit gathered and its gradient summed, last first), contributing nothing."""
+        units = [u for u in self.layers if u is not None]
+        if kind == _FORWARD:
+            for u in units:
+                u.module.unshard()
+                u.module.reshard()
+        elif kind == _BACKWARD:
+            for u in reversed(units):
+                u.module.unshard()
+                self._reduce(u)
+                u.module.reshard()
+
+    def _reduce(self, unit: _Unit) -> None:
+        """Sum the unit's unsharded gradients over the ranks (zeros where this rank has none) and
+        add this rank's shard to each sharded parameter's ``.grad``; the unsharded gradients are freed."""
+        from torch.distributed.tensor import DTensor
+
+        full = unit.unsharded()
+        for i, p in enumerate(full):
+            if p.grad is not None:
+                unit.used[i] += 1
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, s in enumerate(unit.sharded):
+            by_dtype.setdefault(_local(s).dtype, []).append(i)
+        for dtype, index in by_dtype.items():
+            grads = [full[i].grad if full[i].grad is not None else torch.zeros_like(full[i]) for i in index]
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            for i, piece in zip(index, flat.split([full[i].numel() for i in index]), strict=True):
+                s, whole = unit.sharded[i], piece.view(full[i].shape)
+                if isinstance(s, DTensor):
+                    local = _local_shard(whole, s)
+                    new = DTensor.from_local(local.contiguous(), s.device_mesh, s.placements,
+                                             shape=s.shape, stride=s.stride())  # fmt: skip
+                else:  # a parameter fully_shard left replicated keeps the full sum
+                    new = whole.clone()
+                s.grad = new if s.grad is None else s.grad + new
+        for p in full:
+            p.grad = None
+
+
+def _backward(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    live = [(t, g) for t, g in pairs if t is not None and g is not None and t.requires_grad]
+    if live:
+        torch.autograd.backward([t for t, _ in live], [g.to(t.dtype) for t, g in live])
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def _local_shard(full: Tensor, sharded) -> Tensor:
+    """This rank's piece of ``full`` as FSDP2 shards it (dim-0 chunks of ``torch.chunk``)."""
+    from torch.distributed.tensor import Shard
+
+    placement = sharded.placements[0]
+    if len(sharded.placements) != 1 or not isinstance(placement, Shard):
+        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
+                         f"{sharded.placements}")  # fmt: skip
+    mesh = sharded.device_mesh
+    rank, world = mesh.get_local_rank(), mesh.size()
+    chunks = torch.chunk(full, world, dim=placement.dim)
+    local = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
+    expected = tuple(sharded.to_local().shape)
+    if tuple(local.shape) != expected:
+        raise ValueError(f"unexpected FSDP2 shard shape {expected} for a parameter of shape "
+                         f"{tuple(full.shape)} (expected {tuple(local.shape)})")  # fmt: skip
+    return local
