@@ -3,28 +3,31 @@
 harts runs a model's parts over a forest, never the wrapper's forward, so the machinery a
 wrapper keeps in its forward does not run: DDP's reducer is only armed by ``DDP.forward``, and
 FSDP2's ``fully_shard`` gathers parameters and reduce-scatters gradients from hooks on the
-forward of each sharded module. :func:`data_parallel_step` does that work around one whole step
-(every micro-batch), so gradients cross the network once per step, not once per micro-batch:
+forward of each sharded module. :func:`data_parallel_step` does that work for one whole step
+(every micro-batch):
 
 - **DDP** (``torch.nn.parallel.DistributedDataParallel``): the step runs on ``ddp.module``; at
   the end each gradient is summed over the ranks (one flat all-reduce per dtype).
-- **FSDP2** (``torch.distributed.fsdp.fully_shard``): every sharded module is unsharded (one
-  all-gather each) for the step, which runs on the full parameters; at the end each full gradient
-  is summed over the ranks and this rank's shard is added to the sharded parameter's ``.grad``
-  (a DTensor, as FSDP2 leaves it); then the modules are resharded. Parameters are whole for the
-  duration of a step (sharding saves optimizer and parameter memory between steps, not during).
-  With a ``MixedPrecisionPolicy``, the step computes in its ``param_dtype`` (the unsharded
+- **FSDP2** (``torch.distributed.fsdp.fully_shard``): the step gathers the units itself, one at a
+  time (:mod:`harts.runtime.sharded`): the model and backbone units (embeddings, final norm,
+  head) for the whole step, each decoder layer's unit around that layer's forward and again
+  for its backward, right after which its gradient is summed over the ranks and this rank's
+  shard added to the sharded parameter's ``.grad`` (a DTensor, as FSDP2 leaves it). A rank
+  holds its shards, the outer units and one or two layer units at a time. With a
+  ``MixedPrecisionPolicy``, the step computes in its ``param_dtype`` (the unsharded
   parameters') and gradients are summed in the sharded parameters' dtype.
 
 The sum, not the mean: harts' losses divide by normalisers of the whole step over all ranks
 (``normalizers_for(..., all_reduce=...)``), so each rank's gradient is its share of one global
 loss and the shares add up. A parameter no rank used keeps ``.grad`` None, as on one process.
-Gradients a step finds already in ``.grad`` (accumulated by an earlier call) are kept aside
-and added back after the sum, so each call synchronises its own contribution once.
+Gradients a step finds already in ``.grad`` (accumulated by an earlier call) are kept: DDP sets
+them aside and adds them back after the sum, FSDP2 adds each unit's new shard to them, so each
+call synchronises its own contribution once. After an error inside an FSDP2 step its gradients
+are partial (the other ranks fail at their next collective, within the group's timeout).
 
 What this leaves out: FSDP1 (``FullyShardedDataParallel``: flat parameters) and tensor,
-pipeline or context parallelism are refused; within a step, no overlap of communication with
-compute.
+pipeline or context parallelism are refused. DDP's sum does not overlap compute; FSDP2's
+forward gathers the next layer's unit while the current one computes.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. G
 summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
 parameter no rank used keeps ``.grad`` None, as on one process.
 
-The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory);
-a layer unit's next gather is started while the current layer computes (forward prefetch).
+The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory). The
+next layer unit's gather starts while the current layer computes, in forward and in backward, so
+two layer units are whole at most.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ class ShardedStep:
 
     def abort(self) -> None:
         """Reshard everything after an error (the other ranks fail on their next collective)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].wait()
         for unit in self.layers:
             if unit is not None:
                 unit.module.reshard()
@@ -167,16 +171,17 @@ class ShardedStep:
         segments.embedded = hidden
         return hidden.detach().requires_grad_()
 
-    def layer(self, index: int, fn: Callable[[Tensor], Tensor], hidden: Tensor,
-              segments: PartSegments | None) -> Tensor:  # fmt: skip
-        """Layer ``index`` of a part's forward with its unit gathered; with ``segments`` (autograd),
-        its input becomes a leaf and the segment is recorded."""
+    def layer(self, index: int, fn: Callable[[Tensor], Tensor] | None, hidden: Tensor | None,
+              segments: PartSegments | None) -> Tensor | None:  # fmt: skip
+        """Layer ``index`` of a part's forward with its unit gathered (the next unit's gather starts
+        meanwhile); with ``segments`` (autograd), its input becomes a leaf and the segment is
+        recorded. ``fn`` None: another rank's forward, the same gathers and nothing computed."""
         unit = self.layers[index]
         if unit is not None:
             self._gather(index)
-            self._prefetch(index + 1)
+            self._prefetch(index, +1)
         try:
-            out = fn(hidden)
+            out = fn(hidden) if fn is not None else None
         finally:
             if unit is not None:
                 unit.module.reshard()
@@ -192,28 +197,33 @@ class ShardedStep:
 
     def _gather(self, index: int) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == index:
+        if pending is not None:
             pending[1].wait()
-        else:
-            if pending is not None:
-                pending[1].wait()
-            self.layers[index].module.unshard()
+            if pending[0] == index:
+                return
+            self.layers[pending[0]].module.reshard()  # not the unit asked for (never so in a step)
+        self.layers[index].module.unshard()
 
-    def _prefetch(self, index: int) -> None:
-        while index < len(self.layers) and self.layers[index] is None:
-            index += 1
-        if index < len(self.layers):
+    def _prefetch(self, index: int, direction: int) -> None:
+        """Start the gather of the next layer unit after ``index`` in ``direction`` (+1 forward, -1
+        backward): two units are whole at most."""
+        index += direction
+        while 0 <= index < len(self.layers) and self.layers[index] is None:
+            index += direction
+        if 0 <= index < len(self.layers):
             self._pending = (index, self.layers[index].module.unshard(async_op=True))
 
     # ---- backward ------------------------------------------------------------------------------
-    def backward(self, segments: PartSegments, top_roots: list[tuple[Tensor, Tensor]],
+    def backward(self, segments: PartSegments | None, top_roots: list[tuple[Tensor, Tensor]],
                  layer_roots: dict[int, list[tuple[Tensor, Tensor]]]) -> None:  # fmt: skip
         """A part's backward, layer by layer: ``top_roots`` (row outputs and their gradients) into
         the final norm's input, then each layer, last first, from its output (the gradient its
-        successor sent) and ``layer_roots[index]`` (its exports' gradients from later parts)."""
+        successor sent) and ``layer_roots[index]`` (its exports' gradients from later parts), the
+        unit gathered (the next one's gather started meanwhile) and its gradient summed.
+        ``segments`` None: another rank's backward, the same collectives and nothing computed."""
         _backward(top_roots)
-        grad = segments.top.grad if segments.top is not None else None
-        by_index = {s.index: s for s in segments.layers}
+        grad = segments.top.grad if segments is not None and segments.top is not None else None
+        by_index = {s.index: s for s in segments.layers} if segments is not None else {}
         for index in reversed(range(len(self.layers))):
             segment = by_index.get(index)
             roots = list(layer_roots.get(index, []))
@@ -221,7 +231,8 @@ class ShardedStep:
                 roots.append((segment.output, grad))
             unit = self.layers[index]
             if unit is not None:
-                unit.module.unshard()
+                self._gather(index)
+                self._prefetch(index, -1)
             try:
                 _backward(roots)
                 if unit is not None:
@@ -230,23 +241,18 @@ class ShardedStep:
                 if unit is not None:
                     unit.module.reshard()
             grad = segment.leaf.grad if segment is not None else None
-        if segments.embedded is not None and grad is not None:
+        if segments is not None and segments.embedded is not None and grad is not None:
             _backward([(segments.embedded, grad)])
 
     # ---- stand-ins and sums --------------------------------------------------------------------
     def _stand_in(self, kind: int) -> None:
-        """Another rank's forward (every layer unit gathered, in order) or backward (every layer
-        unit gathered and its gradient summed, last first), contributing nothing."""
-        units = [u for u in self.layers if u is not None]
+        """Another rank's forward or backward, through the same code: the same gathers and sums (of
+        zeros) in the same order, nothing computed."""
         if kind == _FORWARD:
-            for u in units:
-                u.module.unshard()
-                u.module.reshard()
+            for index in range(len(self.layers)):
+                self.layer(index, None, None, None)
         elif kind == _BACKWARD:
-            for u in reversed(units):
-                u.module.unshard()
-                self._reduce(u)
-                u.module.reshard()
+            self.backward(None, [], {})
 
     def _reduce(self, unit: _Unit) -> None:
         """Sum the unit's unsharded gradients over the ranks (zeros where this rank has none) and
