@@ -7,6 +7,8 @@
   and one AdamW step; rank 0 writes the full gradients, the loss and the parameters after the
   step to ``OUT`` (``torch.save``, a dict by variant). :func:`reference` is the same step on one
   process.
+- ``units``: for each variant named, one FSDP2 step counting the decoder-layer units whole at
+  once and the bytes each rank holds after it (:func:`units_held`); a list by rank.
 """
 
 from __future__ import annotations
@@ -136,13 +138,64 @@ def step(family: str, variant: Variant) -> dict:
     return one_step(wrap(model, variant.kind), mine, variant)
 
 
+def units_held(family: str, variant: Variant) -> dict:
+    """One FSDP2 step of ``variant`` counting whole units: the most decoder-layer units unsharded at
+    once, whether the outer units stayed whole, and what the rank holds after the step (bytes of
+    local parameter shards and gradients, and of any gradient left on an unsharded parameter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_for(family, variant)
+    rollouts = batch(model.config.vocab_size)
+    forest = harts.build_forest([r.tokens for r in rollouts])
+    mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
+    wrapped = wrap(model, "fsdp")
+    layers = list(wrapped.model.layers)
+    whole: set[int] = set()
+    most = [0]
+    unshard, reshard = FSDPModule.unshard, FSDPModule.reshard
+
+    def counting_unshard(self, async_op=False):
+        if any(self is layer for layer in layers):
+            whole.add(id(self))
+            most[0] = max(most[0], len(whole))
+        return unshard(self, async_op=async_op)
+
+    def counting_reshard(self):
+        whole.discard(id(self))
+        return reshard(self)
+
+    FSDPModule.unshard, FSDPModule.reshard = counting_unshard, counting_reshard
+    try:
+        harts.rollout_step(wrapped, mine, variant.loss, run=variant.run)
+    finally:
+        FSDPModule.unshard, FSDPModule.reshard = unshard, reshard
+
+    def local_bytes(t):
+        t = t.to_local() if type(t).__name__ == "DTensor" else t
+        return t.numel() * t.element_size()
+
+    params = list(wrapped.parameters())
+    return {
+        "most_layer_units_whole": most[0], "layers": len(layers), "still_whole": len(whole),
+        "param_bytes": sum(local_bytes(p) for p in params),
+        "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }  # fmt: skip
+
+
 def main() -> None:
     mode, family, out, *names = sys.argv[1:]
-    assert mode == "step", mode
+    assert mode in ("step", "units"), mode
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        results = {name: step(family, VARIANTS[name]) for name in names or VARIANTS}
+        if mode == "step":
+            results = {name: step(family, VARIANTS[name]) for name in names or VARIANTS}
+        else:
+            mine = {name: units_held(family, VARIANTS[name]) for name in names}
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, mine)
         if dist.get_rank() == 0:
             torch.save(results, out)
     finally:

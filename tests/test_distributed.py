@@ -109,6 +109,26 @@ def test_one_step_on_four_ranks_equals_one_process(tmp_path):
     _check_against_one_process(family, torch.load(out, weights_only=True))
 
 
+@pytest.mark.multiprocess
+def test_a_sharded_step_holds_two_layer_units_at_most_and_only_shards_after(tmp_path):
+    """What an FSDP2 rank holds, counted: during the step at most two decoder-layer units are whole
+    at once (the running one and the next one's gather), on every path; after it every unit is
+    sharded again and the rank holds its shards of the parameters and of the gradients, about
+    1/N of the whole model each (dim-0 chunks: a tensor with fewer rows than ranks is padded)."""
+    out = tmp_path / "units.pt"
+    names = ["fsdp", "fsdp-held", "fsdp-gspo", "fsdp-checkpointing"]
+    done = _torchrun(str(HERE / "distributed_worker.py"), "units", STEP_FAMILIES[-1], str(out), *names)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank, held in enumerate(torch.load(out, weights_only=True)):
+        for name, figures in held.items():
+            assert figures["layers"] >= 3, figures
+            assert 1 <= figures["most_layer_units_whole"] <= 2, (rank, name, figures)
+            assert figures["still_whole"] == 0, (rank, name, figures)
+            share = figures["whole_bytes"] / 2
+            assert 0.9 * share <= figures["param_bytes"] <= 1.1 * share, (rank, name, figures)
+            assert figures["grad_bytes"] <= 1.1 * share, (rank, name, figures)
+
+
 def _skewed_forest():
     """Trees whose token counts and work disagree: 2 long single trajectories (500 tokens, long
     attention paths) and 6 wide trees (a 20-token prompt, 29 branches of 20 tokens: 600 tokens)."""
