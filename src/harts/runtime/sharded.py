@@ -16,8 +16,8 @@ harts runs a model's parts itself, so FSDP2's forward hooks never fire. Under
 
 Every gather and sum is a collective, so every rank must issue the same sequence of them, while
 ranks hold different trees and run different numbers of forwards and backwards. Before each
-part's forward or backward the ranks agree in lock step (:class:`_Lockstep`: one small
-all-gather of what each rank runs next); a rank whose next operation is not the one chosen runs
+part's forward or backward the ranks agree in lock step (:class:`_Lockstep`: one all-reduce of
+one integer, what each rank runs next); a rank whose next operation is not the one chosen runs
 a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. Gradients are
 summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
 parameter no rank used keeps ``.grad`` None, as on one process.
@@ -82,14 +82,15 @@ class _Lockstep:
 
     def __init__(self, group, stand_in: Callable[[int], None]):
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.device = _collective_device(group)
         self.stand_in = stand_in
 
     def _round(self, mine: int) -> int:
-        codes = torch.tensor([mine], dtype=torch.int64)
-        everyone = [torch.empty_like(codes) for _ in range(self.world)]
-        dist.all_gather(everyone, codes, group=self.group)
-        return max(int(c) for c in everyone)
+        """The operation of this round: the largest code any rank wants (forward before backward
+        before done), so every round some rank runs its own and the step ends."""
+        code = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
+        return int(code)
 
     def enter(self, kind: int) -> None:
         """Return when every rank runs an operation of ``kind`` now (or a stand-in of it)."""
@@ -137,8 +138,9 @@ class ShardedStep:
         for m in self.outer_modules:
             m.reshard()
         units = [u for u in self.layers if u is not None] + [self.outer]
-        used = torch.cat([u.used for u in units])
+        used = torch.cat([u.used for u in units]).to(self.lockstep.device)
         dist.all_reduce(used, group=self.group)
+        used = used.cpu()
         offset = 0
         for u in units:
             for p, before, count in zip(u.sharded, u.grad_before, used[offset : offset + len(u.sharded)],
@@ -281,6 +283,13 @@ class ShardedStep:
                 s.grad = new if s.grad is None else s.grad + new
         for p in full:
             p.grad = None
+
+
+def _collective_device(group) -> torch.device:
+    """Where small control tensors go for a collective: NCCL reduces CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _backward(pairs: list[tuple[Tensor, Tensor]]) -> None:
