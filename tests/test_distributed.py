@@ -88,7 +88,8 @@ def _check_against_one_process(family: str, results: dict) -> None:
 def test_one_step_on_two_ranks_equals_one_process(family, tmp_path):
     """DDP, and FSDP2 with its units gathered one at a time on every path of the step: cut trees
     whose parts run again or keep their graphs, the three passes, gradient checkpointing,
-    recomputed linear attention, MoE statistics, one micro-batch a rank."""
+    recomputed linear attention, MoE statistics, one micro-batch a rank, the next unit's gather
+    in flight while a layer computes."""
     out = tmp_path / "ranks.pt"
     done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -103,8 +104,8 @@ def test_one_step_on_four_ranks_equals_one_process(tmp_path):
     forwards and backwards."""
     family = STEP_FAMILIES[-1]
     out = tmp_path / "ranks.pt"
-    done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out), "fsdp", "fsdp-held",
-                     nproc=4)  # fmt: skip
+    variants = ("fsdp", "fsdp-held-prefetch")
+    done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out), *variants, nproc=4)
     assert done.returncode == 0, done.stderr[-3000:]
     _check_against_one_process(family, torch.load(out, weights_only=True))
 
@@ -116,7 +117,7 @@ def test_a_sharded_step_holds_two_layer_units_at_most_and_only_shards_after(tmp_
     sharded again and the rank holds its shards of the parameters and of the gradients, about
     1/N of the whole model each (dim-0 chunks: a tensor with fewer rows than ranks is padded)."""
     out = tmp_path / "units.pt"
-    names = ["fsdp", "fsdp-held", "fsdp-gspo", "fsdp-checkpointing"]
+    names = ["fsdp", "fsdp-held", "fsdp-gspo", "fsdp-checkpointing", "fsdp-prefetch"]
     done = _torchrun(str(HERE / "distributed_worker.py"), "units", STEP_FAMILIES[-1], str(out), *names)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank, held in enumerate(torch.load(out, weights_only=True)):

@@ -26,8 +26,8 @@ call synchronises its own contribution once. After an error inside an FSDP2 step
 are partial (the other ranks fail at their next collective, within the group's timeout).
 
 What this leaves out: FSDP1 (``FullyShardedDataParallel``: flat parameters) and tensor,
-pipeline or context parallelism are refused. DDP's sum does not overlap compute; FSDP2's
-forward gathers the next layer's unit while the current one computes.
+pipeline or context parallelism are refused. DDP's sum does not overlap compute; under FSDP2 on
+a GPU backend the next layer's unit is gathered while the current one computes.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. G
 summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
 parameter no rank used keeps ``.grad`` None, as on one process.
 
-The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory). The
-next layer unit's gather starts while the current layer computes, in forward and in backward, so
-two layer units are whole at most.
+The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory). On
+GPU backends the next layer unit's gather starts while the current layer computes, in forward and
+in backward, so two layer units are whole at most; on gloo (CPU) gathers run when needed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = ["ShardedStep", "PartSegments", "LayerSegment"]
 
 Tensor = torch.Tensor
 _FORWARD, _BACKWARD, _DONE = 2, 1, 0
+PREFETCH_ON_GLOO = False  # the tests set it to run the prefetching order on CPU ranks
 
 
 @dataclass
@@ -124,6 +125,8 @@ class ShardedStep:
         self.outer = _Unit(model, [n for n, _ in named], [p for _, p in named])
         self.lockstep = _Lockstep(group, self._stand_in)
         self._pending = None  # the next layer unit's gather, started during the current layer
+        # On gloo the gather would run on the cores the CPU ranks compute on: nothing to overlap.
+        self.prefetch = PREFETCH_ON_GLOO or dist.get_backend(group) != "gloo"
 
     # ---- the step's frame ---------------------------------------------------------------------
     def begin(self) -> None:
@@ -209,6 +212,8 @@ class ShardedStep:
     def _prefetch(self, index: int, direction: int) -> None:
         """Start the gather of the next layer unit after ``index`` in ``direction`` (+1 forward, -1
         backward): two units are whole at most."""
+        if not self.prefetch:
+            return
         index += direction
         while 0 <= index < len(self.layers) and self.layers[index] is None:
             index += direction
