@@ -81,7 +81,6 @@ class Variant:
     loss: harts.PolicyLossConfig = LOSS
     checkpointing: bool = False
     moe: bool = False
-    prefetch: bool = False  # the next layer unit's gather in flight meanwhile, as on NCCL
     # compared with this variant's run on the same ranks (the same work on each rank) instead of
     # with one process
     baseline: str | None = None
@@ -97,9 +96,6 @@ VARIANTS = {
     "fsdp-checkpointing": Variant("fsdp", checkpointing=True),
     "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
     "fsdp-moe-stats": Variant("fsdp", moe=True),
-    "fsdp-prefetch": Variant("fsdp", prefetch=True),
-    "fsdp-held-prefetch": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=10**9),
-                                  prefetch=True),
     # no budget: one micro-batch a rank, whose forest (and so its linear-attention plan) differs
     # from one process's single micro-batch of the whole batch
     "ddp-whole": Variant("ddp", run=harts.RunConfig()),
@@ -116,9 +112,6 @@ def model_for(family: str, variant: Variant) -> torch.nn.Module:
 
 def one_step(model, rollouts, variant: Variant) -> dict:
     """One step of ``variant`` on ``model`` (wrapped or not) and one AdamW step."""
-    from harts.runtime import sharded
-
-    sharded.PREFETCH_ON_GLOO = variant.prefetch
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     moe = harts.MoEConfig(aux_loss_coef=0.0) if variant.moe else None
     result = harts.rollout_step(model, rollouts, variant.loss, run=variant.run, moe=moe)
@@ -151,9 +144,6 @@ def units_held(family: str, variant: Variant) -> dict:
     local parameter shards and gradients, and of any gradient left on an unsharded parameter)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from harts.runtime import sharded
-
-    sharded.PREFETCH_ON_GLOO = variant.prefetch
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_for(family, variant)
     rollouts = batch(model.config.vocab_size)

@@ -13,7 +13,7 @@ forward of each sharded module. :func:`data_parallel_step` does that work for on
   head) for the whole step, each decoder layer's unit around that layer's forward and again
   for its backward, right after which its gradient is summed over the ranks and this rank's
   shard added to the sharded parameter's ``.grad`` (a DTensor, as FSDP2 leaves it). A rank
-  holds its shards, the outer units and one or two layer units at a time. With a
+  holds its shards, the outer units and one layer unit at a time. With a
   ``MixedPrecisionPolicy``, the step computes in its ``param_dtype`` (the unsharded
   parameters') and gradients are summed in the sharded parameters' dtype.
 
@@ -26,8 +26,7 @@ call synchronises its own contribution once. After an error inside an FSDP2 step
 are partial (the other ranks fail at their next collective, within the group's timeout).
 
 What this leaves out: FSDP1 (``FullyShardedDataParallel``: flat parameters) and tensor,
-pipeline or context parallelism are refused. DDP's sum does not overlap compute; under FSDP2 on
-a GPU backend the next layer's unit is gathered while the current one computes.
+pipeline or context parallelism are refused. Communication does not overlap compute.
 """
 
 from __future__ import annotations
