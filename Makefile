@@ -66,7 +66,7 @@ test-kernels: $(KERNELS)/.installed
 
 # the integrations against verl's own code (its DataProto layout, its losses, its engine registry)
 test-verl: $(VERL)/.installed
-	$(VERL)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_verl.py \
+	$(VERL)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_verl.py tests/test_integrations_verl_sharded.py \
 		tests/test_integrations_trl.py tests/test_integrations_batch.py
 
 lint: $(VENV)/.installed

@@ -40,8 +40,18 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
 from harts.runtime.config import RunConfig
+from harts.runtime.executor import (
+    check_inputs,
+    layout_for,
+    model_device,
+    resolve_model,
+    row_logprobs,
+    run_layout,
+)
+from harts.runtime.step import forest_backward, next_token_rows
 
 __all__ = ["model_output", "register_engine", "unregister_engine"]
 
@@ -74,12 +84,9 @@ def _temperature(value, batch: int) -> float:
     return float(value)
 
 
-def model_output(
-    model: nn.Module, data, *, run: RunConfig | None = None, share_prefixes: bool = True
-) -> dict[str, Tensor]:
-    """``{"log_probs": ..., "entropy": ...}`` (entropy when ``calculate_entropy`` is set) of a verl
-    micro-batch, jagged [B, j] and predictor-indexed as verl's engine returns them (see the module
-    docstring), computed by harts with autograd."""
+def _micro_batch_input(data) -> tuple[Tensor, float, bool]:
+    """The micro-batch's jagged ``input_ids``, its one temperature and its entropy flag, after the
+    checks that refuse what harts does not compute (before any compute)."""
     if not isinstance(data, Mapping) and not hasattr(data, "batch_size"):
         raise TypeError(f"expected verl's TensorDict or a mapping of its fields, got {type(data).__name__}")
     input_ids = _get(data, "input_ids")
@@ -95,9 +102,19 @@ def model_output(
     for flag in ("use_fused_kernels", "calculate_sum_pi_squared", "distillation_use_topk"):
         if _get(data, flag, False):
             raise ValueError(f"{flag}=True: verl's engine output for it is not computed by harts")
-    offsets = input_ids.offsets()
-    batch = offsets.numel() - 1
+    batch = input_ids.offsets().numel() - 1
     temperature = _temperature(_get(data, "temperature"), batch)
+    return input_ids, temperature, bool(_get(data, "calculate_entropy", False))
+
+
+def model_output(
+    model: nn.Module, data, *, run: RunConfig | None = None, share_prefixes: bool = True
+) -> dict[str, Tensor]:
+    """``{"log_probs": ..., "entropy": ...}`` (entropy when ``calculate_entropy`` is set) of a verl
+    micro-batch, jagged [B, j] and predictor-indexed as verl's engine returns them (see the module
+    docstring), computed by harts with autograd."""
+    input_ids, temperature, entropy = _micro_batch_input(data)
+    offsets = input_ids.offsets()
     # every position but each sequence's first gets its (target-indexed) log-prob, then the roll by
     # one puts it on its predictor; the first token's 0 lands on the previous sequence's last slot
     out = batch_logprobs(
@@ -110,9 +127,72 @@ def model_output(
         return torch.nested.nested_tensor_from_jagged(rolled, offsets.to(rolled.device))
 
     result = {"log_probs": jagged(out.logprobs)}
-    if _get(data, "calculate_entropy", False):
+    if entropy:
         result["entropy"] = jagged(out.entropies)
     return result
+
+
+# ---- a sharded (FSDP2) actor: the micro-batch's rows through harts' sharded step -----------------
+class _Rows:
+    """A micro-batch's next-token rows over its prefix-merged forest, and where each row's value
+    sits in verl's predictor-indexed layout: row i (predicting token ``slot[i] + 1`` of the packed
+    ``input_ids`` from position ``slot[i]``) fills flat position ``slot[i]``; the last position of
+    each sequence has no row and holds 0, as :func:`model_output` leaves it."""
+
+    def __init__(self, input_ids: Tensor, share_prefixes: bool):
+        self.offsets = input_ids.offsets()
+        lengths = self.offsets.diff().cpu().tolist()
+        self.forest = build_forest(list(torch.split(input_ids.values().cpu(), lengths)),
+                                   share_prefixes=share_prefixes)  # fmt: skip
+        self.predictor, self.target = next_token_rows(self.forest)
+        starts = self.offsets[:-1].cpu().tolist()
+        self.slot = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(starts, lengths, strict=True)])
+        self.total = int(self.offsets[-1])
+
+    def jagged(self, values: Tensor) -> Tensor:
+        """Row values [R] as verl's jagged [B, j] (differentiable in ``values``)."""
+        flat = values.new_zeros(self.total).index_put((self.slot.to(values.device),), values)
+        return torch.nested.nested_tensor_from_jagged(flat, self.offsets.to(values.device))
+
+    def output(self, logprob: Tensor, entropy: Tensor, with_entropy: bool) -> dict[str, Tensor]:
+        out = {"log_probs": self.jagged(logprob)}
+        if with_entropy:
+            out["entropy"] = self.jagged(entropy)
+        return out
+
+
+def _sharded_logprobs(module: nn.Module, sharded, rows: _Rows, temperature: float, run: RunConfig):
+    """Row log-probs and entropies without autograd, inside a sharded step (each decoder layer's
+    unit gathered around its forward): verl's forward-only passes (``compute_log_prob``)."""
+    model = resolve_model(module)
+    check_inputs(model, rows.forest)
+    layout = layout_for(rows.forest, model_device(model), run)
+    with torch.no_grad():
+        sharded.enter_forward()
+        hidden, _ = run_layout(model, layout, None, run.recompute_linear, sharded, None)
+        device = hidden.device
+        return row_logprobs(model.lm_head, hidden, rows.predictor.to(device), rows.target.to(device),
+                            run.chunk_rows, temperature)  # fmt: skip
+
+
+def _fsdp_divide_factor(module: nn.Module, world: int) -> float:
+    """What FSDP2 divides each summed gradient by: the mesh size (its mean) unless a unit sets
+    ``set_gradient_divide_factor``; one factor for the whole model, or harts cannot match it by
+    scaling the loss."""
+    factors = set()
+    for m in module.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        for group in getattr(state(), "_fsdp_param_groups", []):
+            factor = getattr(group, "gradient_divide_factor", None)
+            factors.add(float(world) if factor is None else float(factor))
+    if len(factors) > 1:
+        raise ValueError(
+            f"the FSDP2 units divide their gradients by different factors {sorted(factors)}: harts sums "
+            f"every unit's gradient over the ranks and can scale the loss by one factor only"
+        )
+    return factors.pop() if factors else float(world)
 
 
 _STOCK: dict[tuple[str, str], type] = {}  # (backend, device) -> the engine register_engine replaced
@@ -123,19 +203,167 @@ def _engine_class() -> type:
     if _ENGINE:
         return _ENGINE[0]
     try:
+        from verl.utils import fsdp_utils
+        from verl.utils import tensordict_utils as tu
         from verl.utils.device import get_device_id
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+        from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
     except ImportError as err:
         raise ImportError(f"the harts engine needs verl (0.9): {err}") from err
 
     class HartsFSDPEngine(FSDPEngineWithLMHead):
-        """verl's FSDP actor engine with the micro-batch forward run by harts (shared prefixes once)."""
+        """verl's FSDP actor engine with the micro-batch forward run by harts (shared prefixes once).
+
+        Under FSDP2 (``strategy: fsdp2``, parameters sharded) the whole of
+        ``forward_backward_batch`` runs inside one harts sharded step: each micro-batch's forward
+        and backward go through ``harts.forest_backward``, which gathers one decoder layer's unit
+        at a time and adds each rank's shard of the summed gradient to the sharded ``.grad``, as
+        FSDP2's own hooks would (harts runs the model's parts, so those hooks never fire).
+        """
 
         harts_run: RunConfig | None = None
+        harts_share_prefixes: bool = True
+
+        # ---- building: units where harts gathers them --------------------------------------------
+        def _build_fsdp_module(self, module):
+            """verl's FSDP2 wrapping with units on the decoder layers and the model only.
+
+            verl also gives an untied embedding and head units of their own; harts calls those
+            modules itself, where FSDP2's hooks would reshard them mid-step, and gathers the
+            model's unit (embedding, final norm, head) for the whole step anyway. So their
+            parameters stay in the model's unit: the same parameters, shards and state dict.
+            """
+            self._check_harts_config()
+            from harts.adapters import adapter_for
+
+            choose = fsdp_utils._select_fsdp2_wrap_targets
+            layers = {id(layer) for layer in adapter_for(module).backbone(module).layers}
+
+            def decoder_layers(model, class_names):
+                return [m for m in choose(model, class_names) if id(m) in layers]
+
+            fsdp_utils._select_fsdp2_wrap_targets = decoder_layers
+            try:
+                return super()._build_fsdp_module(module)
+            finally:
+                fsdp_utils._select_fsdp2_wrap_targets = choose
+
+        def _check_harts_config(self):
+            """Refuse, before the model is built, what the sharded step cannot run exactly."""
+            config = self.engine_config
+            if config.strategy != "fsdp2":
+                raise ValueError(
+                    f"strategy {config.strategy!r}: harts runs verl's FSDP2 engine (strategy fsdp2); FSDP1's "
+                    f"flat parameters cannot be run part by part"
+                )
+            if config.ulysses_sequence_parallel_size > 1:
+                raise ValueError(
+                    f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size}: harts keeps "
+                    f"each sequence on one rank (no sequence parallelism)"
+                )
+            if config.fsdp_size > 0 and config.fsdp_size < torch.distributed.get_world_size():
+                raise ValueError(
+                    f"fsdp_size={config.fsdp_size} of {torch.distributed.get_world_size()} ranks (hybrid "
+                    f"sharding, a 2-D mesh): harts shards on one mesh dimension; set fsdp_size=-1"
+                )
+            precision = config.mixed_precision or {}
+            if str(precision.get("param_dtype", "")).lower() in ("fp16", "float16", "half"):
+                raise ValueError(
+                    "mixed_precision.param_dtype fp16: verl scales that loss with a gradient scaler "
+                    "around its own backward, which harts' backward does not run through"
+                )
+            if self.model_config.lora_rank > 0:
+                raise ValueError("LoRA (lora_rank > 0) with the harts engine is not supported under FSDP2")
+
+        # ---- running ---------------------------------------------------------------------------------
+        def _harts_sharded(self) -> bool:
+            """Whether the model is FSDP2-sharded and runs through harts' sharded step; with its
+            parameters offloaded to the CPU (verl's forward-only reference engine) verl's own
+            forward runs instead, since harts' step gathers and sums on the device."""
+            from harts.runtime.distributed import data_parallel
+
+            dp = data_parallel(self.module)
+            return dp is not None and dp.kind == "fsdp" and not self._uses_fsdp2_cpu_offload_policy
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            """verl's ``forward_backward_batch`` with every micro-batch run by harts inside one
+            sharded step. verl's normalisers are set as its engine sets them (the global loss
+            tokens summed over the ranks, ``dp_size``) and its micro-batches cut as it cuts them;
+            its loss runs on harts' rows, and the gradient is scaled as FSDP2's mean over the
+            ranks would scale it (harts sums)."""
+            if not self._harts_sharded():
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            if getattr(self, "scaler", None) is not None:
+                raise ValueError("a gradient scaler (fp16) runs around verl's backward; harts' does not")
+            from harts.runtime.distributed import data_parallel_step
+
+            group = self.get_data_parallel_group()
+            tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+            keep_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+            tokens = data["loss_mask"].sum().to(get_device_id())
+            torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM, group=group)
+            tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
+            micro_batches, indices = prepare_micro_batches(
+                data=data, dp_group=group, same_micro_num_in_dp=True
+            )
+            scale = 1.0 / _fsdp_divide_factor(self.module, torch.distributed.get_world_size(group))
+            outputs = []
+            with data_parallel_step(self.module) as (module, dp):
+                for micro_batch in micro_batches:
+                    micro_batch = micro_batch.to(get_device_id())
+                    if forward_only:
+                        meta = self._harts_forward(module, dp.sharded, micro_batch, loss_function)
+                    else:
+                        meta = self._harts_train(module, dp.sharded, micro_batch, loss_function, scale)
+                        if not keep_output:
+                            meta.pop("model_output")
+                    outputs.append(meta)
+            return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+        def _harts_forward(self, module, sharded, micro_batch, loss_function):
+            input_ids, temperature, with_entropy = _micro_batch_input(micro_batch)
+            rows = _Rows(input_ids, self.harts_share_prefixes)
+            logprob, entropy = _sharded_logprobs(module, sharded, rows, temperature,
+                                                 RunConfig.resolve(self.harts_run))  # fmt: skip
+            output = rows.output(logprob, entropy, with_entropy)
+            if loss_function is not None:
+                loss, metrics = loss_function(
+                    model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group()
+                )
+            else:
+                loss, metrics = torch.tensor(1.0), {}
+            return {"model_output": output, "loss": float(loss), "metrics": metrics}
+
+        def _harts_train(self, module, sharded, micro_batch, loss_function, scale: float):
+            if loss_function is None:
+                raise ValueError("forward_only must be True when loss_function is None")
+            input_ids, temperature, with_entropy = _micro_batch_input(micro_batch)
+            rows = _Rows(input_ids, self.harts_share_prefixes)
+            seen: dict = {}
+
+            def loss_fn(logprob: Tensor, entropy: Tensor) -> Tensor:
+                # verl's loss of the micro-batch, on its own layout; called once per micro-batch
+                # (harts seeds each part's backward with this loss's gradient by the rows)
+                loss, metrics = loss_function(
+                    model_output=rows.output(logprob, entropy, with_entropy), data=micro_batch,
+                    dp_group=self.get_data_parallel_group(),
+                )  # fmt: skip
+                seen["loss"], seen["metrics"] = loss.detach(), metrics
+                return loss * scale
+
+            result = forest_backward(
+                module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
+                temperature=temperature, sharded=sharded,
+            )  # fmt: skip
+            output = rows.output(result.logprob, result.entropy, with_entropy)
+            return {"model_output": output, "loss": float(seen["loss"]), "metrics": seen["metrics"]}
 
         def forward_step(self, micro_batch, loss_function, forward_only):
+            if self._uses_fsdp2_cpu_offload_policy:  # see _harts_sharded
+                return super().forward_step(micro_batch, loss_function, forward_only)
             micro_batch = micro_batch.to(get_device_id())
-            output = model_output(self.module, micro_batch, run=self.harts_run)
+            output = model_output(self.module, micro_batch, run=self.harts_run,
+                                  share_prefixes=self.harts_share_prefixes)  # fmt: skip
             if loss_function is not None:
                 loss, metrics = loss_function(
                     model_output=output, data=micro_batch, dp_group=self.get_data_parallel_group()
