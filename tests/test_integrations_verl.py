@@ -97,6 +97,9 @@ def test_what_harts_cannot_honour_is_refused(model):
         model_output(model, {"input_ids": ids, "temperature": torch.tensor([0.7, 0.7, 0.5, 0.7, 0.7])})
     with pytest.raises(ValueError, match="use_fused_kernels=True"):
         model_output(model, {"input_ids": ids, "use_fused_kernels": True})
+    shifted = jagged([list(range(1, len(s) + 1)) for s in SEQUENCES])
+    with pytest.raises(ValueError, match="position_ids at packed index 0 is 1, not 0"):
+        model_output(model, {"input_ids": ids, "position_ids": shifted})
     bad = jagged([PROMPT + [500]])
     with pytest.raises(ValueError, match="trajectory 0, position 7: token id 500"):
         model_output(model, {"input_ids": bad})

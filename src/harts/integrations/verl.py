@@ -102,9 +102,32 @@ def _micro_batch_input(data) -> tuple[Tensor, float, bool]:
     for flag in ("use_fused_kernels", "calculate_sum_pi_squared", "distillation_use_topk"):
         if _get(data, flag, False):
             raise ValueError(f"{flag}=True: verl's engine output for it is not computed by harts")
-    batch = input_ids.offsets().numel() - 1
+    offsets = input_ids.offsets()
+    batch = offsets.numel() - 1
+    _check_positions(_get(data, "position_ids"), offsets)
     temperature = _temperature(_get(data, "temperature"), batch)
     return input_ids, temperature, bool(_get(data, "calculate_entropy", False))
+
+
+def _check_positions(position_ids, offsets: Tensor) -> None:
+    """harts places each sequence's tokens at 0, 1, ... (a sequence starts at its root): the
+    micro-batch's ``position_ids``, where given, must say the same."""
+    if position_ids is None:
+        return
+    if not isinstance(position_ids, Tensor) or not position_ids.is_nested or position_ids.dim() != 2:
+        raise ValueError(
+            "position_ids must be jagged [B, j] like input_ids (multi-dimensional rotary positions, as "
+            "vision-language models use, are not computed by harts)"
+        )
+    values = position_ids.values().cpu()
+    starts = offsets[:-1].cpu()
+    expected = torch.arange(values.numel()) - torch.repeat_interleave(starts, offsets.diff().cpu())
+    if values.shape != expected.shape or not torch.equal(values.long(), expected):
+        at = int((values.long() != expected).nonzero()[0, 0]) if values.shape == expected.shape else 0
+        raise ValueError(
+            f"position_ids at packed index {at} is {int(values.reshape(-1)[at])}, not {int(expected[at])}: "
+            f"harts counts each sequence's positions from 0"
+        )
 
 
 def model_output(
@@ -277,9 +300,11 @@ def _engine_class() -> type:
 
         # ---- running ---------------------------------------------------------------------------------
         def _harts_sharded(self) -> bool:
-            """Whether the model is FSDP2-sharded and runs through harts' sharded step; with its
-            parameters offloaded to the CPU (verl's forward-only reference engine) verl's own
-            forward runs instead, since harts' step gathers and sums on the device."""
+            """Whether the model is FSDP2-sharded and runs through harts' sharded step. With FSDP2's
+            CPU offload (``offload_policy``, and always in verl's forward-only engines such as the
+            reference policy's) it does not: harts' step writes each gradient shard on the device
+            it computed on, not into the offloaded shards. A forward-only engine then runs verl's
+            own forward; training is refused."""
             from harts.runtime.distributed import data_parallel
 
             dp = data_parallel(self.module)
@@ -291,6 +316,11 @@ def _engine_class() -> type:
             tokens summed over the ranks, ``dp_size``) and its micro-batches cut as it cuts them;
             its loss runs on harts' rows, and the gradient is scaled as FSDP2's mean over the
             ranks would scale it (harts sums)."""
+            if self._uses_fsdp2_cpu_offload_policy and not forward_only:
+                raise ValueError(
+                    "offload_policy=True (FSDP2 CPU offload): harts' sharded step writes gradient shards "
+                    "on the compute device, not into the offloaded ones; train without offload_policy"
+                )
             if not self._harts_sharded():
                 return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             if getattr(self, "scaler", None) is not None:
