@@ -1,4 +1,4 @@
-"""verl: the actor's log-probs and entropies from harts, in the layout verl's engine hands its losses.
+"""verl: the actor's log-probs, entropies and gradients from harts, in the layout verl's engine uses.
 
 verl (0.9) runs the actor through an engine (``verl.workers.engine.base.BaseEngine``): its
 ``forward_backward_batch`` cuts a ``TensorDict`` into micro-batches and calls ``forward_step``
@@ -17,20 +17,44 @@ no-padding mode (``DatasetPadMode.NO_PADDING``, the engine's default):
   <= j (verl scores ``input_ids`` rolled by one). The last position of each sequence has no next
   token of its own; verl's ``no_padding_2_padding`` never reads it (it slices
   ``[offset - response_len - 1, offset - 1)``), and here it holds 0.
+- ``position_ids``: jagged like ``input_ids``, each sequence counting from 0 (anything else,
+  such as the multi-dimensional positions of vision-language models, is refused).
 
 :func:`model_output` computes exactly that with one harts forward over the micro-batch's forest
 (the prompt shared by a group's ``rollout.n`` responses runs once), with autograd, so verl's own
 loss code (every registered policy loss, aggregation, KL and entropy term) runs unchanged on it.
-:func:`register_engine` makes ``HartsFSDPEngine`` (verl's FSDP engine with this
-``forward_step``) the engine verl's ``EngineRegistry`` gives the actor for its ``fsdp`` /
-``fsdp2`` strategy.
+:func:`register_engine` makes ``HartsFSDPEngine`` the engine verl's ``EngineRegistry`` gives the
+actor for its ``fsdp`` / ``fsdp2`` strategy.
+
+``HartsFSDPEngine`` runs verl's FSDP2 engine (``strategy: fsdp2``) with its parameters sharded
+over the ranks. harts runs the model's parts, not its forward, so FSDP2's hooks never fire and
+a plain ``loss.backward()`` on harts' output could not reach the sharded layers (harts' graph is
+cut at every layer). So its ``forward_backward_batch`` keeps verl's frame (the global loss-token
+count summed over the ranks, ``dp_size``, verl's micro-batches, its output post-processing) and
+runs every micro-batch inside one harts sharded step
+(:func:`harts.runtime.distributed.data_parallel_step`): :func:`harts.forest_backward` gathers one
+decoder layer's unit at a time, in forward and again in backward, with verl's loss function
+wrapped as the loss of harts' rows (converted to the layout above), and adds each rank's shard of
+the summed gradient into the sharded ``.grad``. verl's losses are scaled for FSDP2's mean over
+the ranks; harts sums, so the loss it differentiates is verl's divided by FSDP2's divide factor
+(the mesh size). verl's optimizer step, clipping and checkpoints then run on those gradients
+unchanged. Forward-only passes (``compute_log_prob``) gather the layers the same way without a
+graph. The units go on the decoder layers and the model: verl also gives an untied embedding and
+head units of their own, which harts calls itself; their parameters stay in the model's unit,
+which harts gathers for the whole step (the same shards and state dict).
 
 What this leaves out: generation (verl's rollout workers), critics and value heads (the value
-engine is verl's), distillation outputs, ``use_fused_kernels`` / Σπ² outputs, Ulysses sequence
-parallelism, per-sequence temperatures that differ within a micro-batch (refused), and sharing
-across micro-batches (keep a group's responses in one micro-batch: verl orders them together).
-The engine runs its model through harts, which refuses, with an error naming the wrapper, a
-model whose parameters FSDP keeps sharded during the forward (see ``harts.runtime.model_checks``).
+engine is verl's), distillation outputs, ``use_fused_kernels`` / Σπ² outputs, per-sequence
+temperatures that differ within a micro-batch, and sharing across micro-batches (keep a group's
+responses in one micro-batch: verl orders them together). Refused with a ValueError when the
+engine is built or run: FSDP1 (``strategy: fsdp``), Ulysses sequence parallelism, hybrid sharding
+(``fsdp_size`` below the world size: a 2-D mesh), fp16 mixed precision (verl's gradient scaler
+wraps its own backward), LoRA, and training with FSDP2 CPU offload (``offload_policy``; harts
+writes gradient shards on the compute device). A forward-only engine with CPU offload (verl
+always offloads the reference policy's) runs verl's own forward. The comparison with verl's
+engine is in fp32 (``mixed_precision`` fp32); verl's default mixed precision computes in bf16,
+where harts runs the unsharded bf16 parameters and verl's forward runs under autocast, so the
+two can agree only to bf16 rounding (not measured here).
 """
 
 from __future__ import annotations
