@@ -9,6 +9,8 @@
   process.
 - ``units``: for each variant named, one FSDP2 step counting the decoder-layer units whole at
   once and the bytes each rank holds after it (:func:`units_held`); a list by rank.
+- ``muon``: two Muon steps on FSDP2-sharded matrices (:func:`muon_gaps`) against
+  ``torch.optim.Muon`` on the same whole matrices and gradients; a list by rank.
 """
 
 from __future__ import annotations
@@ -184,14 +186,56 @@ def units_held(family: str, variant: Variant) -> dict:
     }  # fmt: skip
 
 
+def muon_gaps(family: str) -> dict[str, float]:
+    """Largest parameter difference, per matrix, between :class:`ShardedMuon` on the sharded model
+    and ``torch.optim.Muon`` on a whole copy, after two steps on the same gradients (drawn from one
+    seed, so equal on every rank; each rank's shard of them is its rows). The matrices are the
+    model's hidden ones and a 7-row linear map, whose rows do not divide evenly over the ranks."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from harts.trainer.sharded_muon import ShardedMuon
+
+    def build():
+        torch.manual_seed(0)
+        odd = torch.nn.Linear(5, 7, bias=False)
+        return torch.nn.ModuleDict({"lm": tiny_model(family, seed=0), "odd": odd})
+
+    whole, sharded = build(), build()
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in sharded["lm"].model.layers:
+        fully_shard(layer)
+    fully_shard(sharded["lm"])
+    fully_shard(sharded["odd"])
+    hidden = (n for n, p in whole.named_parameters() if p.ndim == 2)
+    names = [n for n in hidden if "embed" not in n and "lm_head" not in n]
+    mine, theirs = dict(sharded.named_parameters()), dict(whole.named_parameters())
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours = ShardedMuon([mine[n] for n in names], **settings)
+    stock = torch.optim.Muon([theirs[n] for n in names], **settings)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for n in names:
+            grad = torch.randn(theirs[n].shape, generator=g)
+            theirs[n].grad = grad.clone()
+            mesh, placements = mine[n].device_mesh, mine[n].placements
+            mine[n].grad = distribute_tensor(grad, mesh, placements, src_data_rank=None)
+        ours.step()
+        stock.step()
+    return {n: float((mine[n].full_tensor() - theirs[n]).abs().max()) for n in names}
+
+
 def main() -> None:
     mode, family, out, *names = sys.argv[1:]
-    assert mode in ("step", "units"), mode
+    assert mode in ("step", "units", "muon"), mode
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         if mode == "step":
             results = {name: step(family, VARIANTS[name]) for name in names or VARIANTS}
+        elif mode == "muon":
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, muon_gaps(family))
         else:
             mine = {name: units_held(family, VARIANTS[name]) for name in names}
             results = [None] * dist.get_world_size()

@@ -129,6 +129,20 @@ def test_a_sharded_step_holds_one_layer_unit_at_a_time_and_only_shards_after(tmp
             assert figures["grad_bytes"] <= 1.1 * share, (rank, name, figures)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_muon_on_sharded_matrices_is_muon_on_the_whole_ones(nproc, tmp_path):
+    """Each matrix's update is gathered and orthogonalised whole, by torch.optim.Muon's own
+    Newton-Schulz function: the same bits as one process on the same gradients (3 ranks: rows
+    that do not divide evenly)."""
+    out = tmp_path / "muon.pt"
+    done = _torchrun(str(HERE / "distributed_worker.py"), "muon", "qwen3", str(out), nproc=nproc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for gaps in torch.load(out, weights_only=True):
+        assert len(gaps) >= 5 and "odd.weight" in gaps, gaps
+        assert all(gap == 0.0 for gap in gaps.values()), gaps
+
+
 def _skewed_forest():
     """Trees whose token counts and work disagree: 2 long single trajectories (500 tokens, long
     attention paths) and 6 wide trees (a 20-token prompt, 29 branches of 20 tokens: 600 tokens)."""
@@ -206,12 +220,12 @@ def test_wrappers_harts_cannot_run_are_refused(tmp_path):
         dist.destroy_process_group()
 
 
-def _train_config(tmp_path: Path, **top) -> Path:
+def _train_config(tmp_path: Path, optimizer: str = "adamw", **top) -> Path:
     return write_config(
         tmp_path / "train.toml",
         {"steps": 4, **top},
         objective={"kind": "ppo", "advantage": "grpo"},
-        optimizer={"kind": "adamw", "lr": 1e-3},
+        optimizer={"kind": optimizer, "lr": 1e-3},
         checkpoint={"every": 2, "keep_last": 3},
         distributed={"strategy": "fsdp", "timeout_s": 60},
     )
@@ -248,6 +262,26 @@ def test_save_on_two_ranks_resume_on_one_and_on_two(tmp_path):
             assert "written by 2 rank(s), this run has 1" in done.stderr
             want, have = _params(final), _params(got.parent)
             assert all(_relative(want[k], have[k]) < PARAM_RTOL for k in want)
+
+
+@pytest.mark.multiprocess
+def test_muon_under_fsdp_trains_and_resumes_bit_for_bit(tmp_path):
+    """Muon's momentum buffers are sharded like its matrices and checkpointed with them."""
+    config = _train_config(tmp_path, optimizer="muon")
+    first = tmp_path / "first"
+    done = _torchrun("-m", "harts", "train", str(config), "--out", str(first))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "muon on" in done.stderr, done.stderr[-3000:]
+    final = first / "checkpoints" / "step-000004"
+    resumed = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(first), str(resumed)], check=True)
+    subprocess.run(["rm", "-r", str(resumed / "checkpoints" / "step-000004")], check=True)
+    done = _torchrun("-m", "harts", "train", str(config), "--out", str(resumed), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    start, end = _params(first / "checkpoints" / "step-000002"), _params(final)
+    assert all(not torch.equal(start[k], end[k]) for k in end if "layers.0.mlp" in k)
+    got = resumed / "checkpoints" / "step-000004" / "model.safetensors"
+    assert got.read_bytes() == (final / "model.safetensors").read_bytes()
 
 
 @pytest.mark.multiprocess

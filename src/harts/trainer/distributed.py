@@ -18,8 +18,10 @@ Checkpoints keep the model and optimizer state in ``state/``, written with
 DDP): a run on any number of ranks resumes from it, one process included. ``model.safetensors``
 (the whole model, written by rank 0) stays loadable by ``from_pretrained``.
 
-What this leaves out: tensor, pipeline and context parallelism; Muon under FSDP2 (its update
-needs whole matrices).
+Muon under FSDP2 gathers each matrix's update for its Newton-Schulz step
+(:mod:`harts.trainer.sharded_muon`).
+
+What this leaves out: tensor, pipeline and context parallelism.
 """
 
 from __future__ import annotations
@@ -89,15 +91,12 @@ def start_ranks(strategy: str, balance: str, timeout_s: float, device: str) -> R
     return Ranks(dist.get_rank(), dist.get_world_size(), strategy, balance)
 
 
-def wrap_model(model: nn.Module, ranks: Ranks, optimizer_kind: str) -> nn.Module:
+def wrap_model(model: nn.Module, ranks: Ranks) -> nn.Module:
     """``model`` in DDP, or sharded with FSDP2 (each decoder layer, then the model)."""
     if ranks.strategy == "ddp":
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    if optimizer_kind == "muon":
-        raise ValueError("optimizer.kind = 'muon' with distributed.strategy = 'fsdp': Muon orthogonalises "
-                         "whole matrices and FSDP2 shards them; use ddp, or adamw")  # fmt: skip
     from torch.distributed.fsdp import fully_shard
 
     from harts.adapters import adapter_for

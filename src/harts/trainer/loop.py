@@ -265,7 +265,7 @@ class _Run:
         self.wrapped = self.model
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
-            self.wrapped = wrap_model(self.model, self.ranks, config.optimizer.kind)
+            self.wrapped = wrap_model(self.model, self.ranks)
         self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, self.total)
         # which parameter each optimizer trains, by name: a resume must find the same
         names = {"adamw": [n for n, _ in split.decay + split.no_decay], "muon": [n for n, _ in split.muon]}

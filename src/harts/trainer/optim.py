@@ -7,6 +7,9 @@
   defined for matrices only), AdamW on the embeddings, the output head, norms, biases and every
   parameter that is not 2-D (fused 3-D expert weights, convolution kernels). The embedding and
   head are left to AdamW because their rows are per-token vectors, not a linear map's matrix.
+  Under FSDP2 the matrices are sharded: :class:`harts.trainer.sharded_muon.ShardedMuon` gathers
+  each one's update for the Newton-Schulz step and keeps its own rows, the same update as on one
+  process.
 - ``freeze_router``: the MoE routers' weights (found as the family's adapter names them,
   :func:`harts.runtime.routers.find_routers`) stop training: ``requires_grad`` off, in no group.
 
@@ -195,8 +198,11 @@ def build_optimizers(
         if muon is None:
             raise ImportError(f"optimizer.kind = 'muon' needs torch.optim.Muon (torch 2.9 or later); "
                               f"installed: torch {torch.__version__}")  # fmt: skip
+        params = [p for _, p in split.muon]
+        if any(type(p).__name__ == "DTensor" for p in params):  # FSDP2: whole-matrix updates of shards
+            from harts.trainer.sharded_muon import ShardedMuon as muon
         optimizers["muon"] = muon(
-            [p for _, p in split.muon],
+            params,
             lr=config.muon_lr if config.muon_lr is not None else config.lr,
             weight_decay=config.weight_decay,
             momentum=config.momentum,
