@@ -5,12 +5,12 @@ test_integrations_verl_sharded.py.
 
 Each rank builds verl's own FSDP2 actor engine (``FSDPEngineWithLMHead``) and ``HartsFSDPEngine``
 from the same checkpoint with the same configuration (parameters sharded over the ranks,
-``reshard_after_forward`` as verl sets it), then runs each :data:`VARIANTS` entry on both: one
+``reshard_after_forward`` as verl sets it), then runs each :data:`VARIANTS` entry on both: a
+forward-only pass (``infer_batch``, verl's ``compute_log_prob``) and one
 ``forward_backward_batch`` of verl's ``ppo_loss`` over this rank's batch (its own sequences,
-different on each rank), the full gradients, and a forward-only pass (``infer_batch``, verl's
-``compute_log_prob``). After the last variant's gradients both engines take verl's optimizer
-step. Then the configurations the harts engine refuses are built, and their messages kept.
-Rank 0 writes every rank's results to ``OUT`` (``torch.save``, a list by rank).
+different on each rank), with the full gradients. After the last variant's gradients both
+engines take verl's optimizer step. Then the configurations the harts engine refuses are built,
+and their messages kept. Rank 0 writes every rank's results to ``OUT`` (``torch.save``, a list by rank).
 
 What verl needs to run on CPU processes, and nothing else: a platform plugin for the CPU
 (verl 0.9 registers CUDA, NPU and ROCm only; :class:`CPUPlatform` through verl's own
@@ -209,6 +209,8 @@ def run(engine, loss_fn, dynamic: bool, budget, rank: int, step: bool) -> dict:
     import harts
 
     engine.harts_run = harts.RunConfig(budget_tokens=budget) if budget is not None else None
+    with engine.eval_mode():  # first: the step below changes the parameters
+        inferred = engine.infer_batch(batch(rank, dynamic), loss_function=None)
     with engine.train_mode():
         engine.optimizer_zero_grad()
         out = engine.forward_backward_batch(batch(rank, dynamic), loss_fn, forward_only=False)
@@ -216,8 +218,6 @@ def run(engine, loss_fn, dynamic: bool, budget, rank: int, step: bool) -> dict:
         if step:  # verl's clipping and AdamW on these gradients
             result["grad_norm"] = engine.optimizer_step()
             result["params"] = full_params(engine.module)
-    with engine.eval_mode():
-        inferred = engine.infer_batch(batch(rank, dynamic), loss_function=None)
     return {
         **result, "loss": out["loss"], "metrics": metric_values(out["metrics"]),
         "log_probs": out["model_output"]["log_probs"].values().detach().clone(),
