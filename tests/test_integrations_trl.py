@@ -9,76 +9,35 @@ learning rate times the gradient, so the per-tensor relative error of the update
 gradients' (Adam would normalise away the scale and amplify the noise of near-zero gradients).
 Two iterations per generation (``num_iterations=2``) put the old log-probs (a no-grad pass) and
 ratios away from 1 on the second step; ``beta > 0`` the reference model's pass and the KL term.
+
+The budgeted step and the two-process runs (DDP over gloo, the model wrapped by accelerate as
+``accelerate launch`` wraps it) turn gradient clipping off, so that a gradient off by a factor
+(a missed mean over the ranks, a normaliser of the wrong process) moves the parameters by a
+different amount instead of being clipped to the same norm.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import trl  # the dev extra installs it: a missing TRL fails here, it is never skipped
 from datasets import Dataset  # a TRL dependency
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from harts import RunConfig
 from harts.integrations.trl import GRPOTrainer
 from harts.testing import tiny_model
-from tests.reference import GRAD_RTOL, grad_relative_errors
+from tests.reference import GRAD_FLOOR, GRAD_RTOL, grad_relative_errors
+from tests.trl_worker import PROMPTS, VARIANTS, Recorder, config, tokenizer, train
 
-PROMPTS = ["t10 t11 t12 t13 t14 t15 t16", "t20 t21 t22", "t30 t31 t32 t33", "t40 t41"]
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' 128 ids ("t0" .. "t127"): nothing to download."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
-
-
-class Recorder:
-    """A reward function (share of even token ids) that records the completions it scores."""
-
-    __name__ = "even_tokens"
-
-    def __init__(self):
-        self.completions: list[list[list[int]]] = []
-
-    def __call__(self, prompts, completions, completion_ids, **kwargs):
-        self.completions.append([list(c) for c in completion_ids])
-        return [sum(t % 2 == 0 for t in c) / max(1, len(c)) for c in completion_ids]
-
-
-class Snapshots(TrainerCallback):
-    def __init__(self):
-        self.params: list[dict[str, torch.Tensor]] = []
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-
-
-def config(tmp_path, **overrides):
-    args = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=5, max_steps=2, num_iterations=2, learning_rate=0.5, optim="sgd",
-        beta=0.04, bf16=False, report_to="none", use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
-        logging_steps=1, model_init_kwargs={"dtype": torch.float32},
-    )  # fmt: skip
-    args.update(overrides)
-    return trl.GRPOConfig(**args)
-
-
-def train(trainer_class, model_dir, tmp_path, **kwargs):
-    reward, snaps = Recorder(), Snapshots()
-    trainer = trainer_class(
-        model=str(model_dir), reward_funcs=reward, args=config(tmp_path), processing_class=tokenizer(),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[snaps], **kwargs,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    trainer.train()
-    return trainer, reward.completions, snaps.params
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +45,24 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     tiny_model("qwen3", seed=0).save_pretrained(path)
     return path
+
+
+def parameter_gaps(tree: list[dict], stock: list[dict]) -> dict[str, float]:
+    """Per parameter, the largest over the steps of ``||tree_k - stock_k||`` over its bound.
+
+    Each SGD update is the learning rate times the gradient, and each of harts' gradients is
+    within ``GRAD_RTOL`` (relative, fp32) of stock's: the parameters after step k differ by at
+    most ``GRAD_RTOL`` times the sum of the norms of stock's updates up to k (each step's error
+    adds to the last's). A ratio above 1 fails.
+    """
+    worst = {n: 0.0 for n in stock[0]}
+    moved = {n: 0.0 for n in stock[0]}
+    for k in range(1, len(stock)):
+        for n in stock[0]:
+            moved[n] += float((stock[k][n] - stock[k - 1][n]).norm())
+            gap = float((tree[k][n] - stock[k][n]).norm())
+            worst[n] = max(worst[n], gap / (GRAD_RTOL * max(moved[n], GRAD_FLOOR)))
+    return worst
 
 
 def test_grpo_loop_matches_stock_trl_step_by_step(model_dir, tmp_path):
@@ -104,6 +81,66 @@ def test_grpo_loop_matches_stock_trl_step_by_step(model_dir, tmp_path):
         assert errors[worst] <= GRAD_RTOL, f"step {step}, {worst}: relative error {errors[worst]:.3g}"
 
 
+def test_budgeted_step_matches_stock_trl(model_dir, tmp_path):
+    """A token budget that cuts every group's tree into parts: TRL's loss ("bnpo", with the KL
+    term and the entropy bonus) runs once on every row's value, each part's backward seeded with
+    its gradient; the parameters follow stock TRL's step by step."""
+    args = {"loss_type": "bnpo", "entropy_coef": 0.01, "max_grad_norm": 0.0}
+    _, stock_completions, stock = train(trl.GRPOTrainer, model_dir, tmp_path / "stock", args)
+    trainer, harts_completions, tree = train(
+        GRPOTrainer, model_dir, tmp_path / "harts", args, harts_run=RunConfig(budget_tokens=8)
+    )
+    assert stock_completions and harts_completions == stock_completions, "both runs must sample the same"
+    assert trainer._harts_result.num_micro_batches > 4 and trainer._harts_result.num_cuts > 0
+    assert len(tree) == len(stock) == 3
+    assert max(float((stock[2][n] - stock[0][n]).abs().max()) for n in stock[0]) > 1e-3, "nothing moved"
+    gaps = parameter_gaps(tree, stock)
+    worst = max(gaps, key=gaps.get)
+    assert gaps[worst] <= 1, f"{worst}: {gaps[worst]:.3g} of the bound"
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_stock_trl(model_dir, tmp_path):
+    """Two real processes (gloo), accelerate's MULTI_CPU with the model wrapped in DDP: harts'
+    drop-in runs the unwrapped module and sums the gradients over the ranks itself, and the
+    parameters equal stock TRL's under the same launch and seed: "dapo" (normalised by every
+    process's completion tokens) over two accumulated micro-batches, and "grpo" under a budget."""
+    port = f"--master_port={_free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", port,
+               str(HERE / "trl_worker.py"), str(model_dir), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, (_, budget) in VARIANTS.items():
+        for rank, results in enumerate(ranks):
+            stock, tree = results[f"{name}/stock"], results[f"{name}/harts"]
+            assert stock["wrapper"] == tree["wrapper"] == "DistributedDataParallel", (name, rank)
+            assert stock["num_processes"] == tree["num_processes"] == 2
+            assert stock["completions"] and tree["completions"] == stock["completions"], (name, rank)
+            assert tree["micro_batches"] > (1 if budget else 0), (name, rank)
+            assert len(tree["params"]) == len(stock["params"]) == 3
+            gaps = parameter_gaps(tree["params"], stock["params"])
+            worst = max(gaps, key=gaps.get)
+            assert gaps[worst] <= 1, f"{name}, rank {rank}, {worst}: {gaps[worst]:.3g} of the bound"
+        # each rank sampled its own completions, and DDP kept the ranks' parameters equal
+        assert ranks[0][f"{name}/stock"]["completions"] != ranks[1][f"{name}/stock"]["completions"]
+        for n, p in ranks[0][f"{name}/harts"]["params"][-1].items():
+            assert torch.equal(p, ranks[1][f"{name}/harts"]["params"][-1][n]), (name, n)
+
+
 def test_unsupported_setups_are_refused(model_dir, tmp_path):
     gpt2_dir = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128)).save_pretrained(gpt2_dir)
@@ -114,7 +151,3 @@ def test_unsupported_setups_are_refused(model_dir, tmp_path):
             model=str(model_dir), reward_funcs=Recorder(), args=config(tmp_path, bf16=True),
             processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         )  # fmt: skip
-    from harts import RunConfig
-
-    with pytest.raises(ValueError, match="budget_tokens is not supported under TRL"):
-        train(GRPOTrainer, model_dir, tmp_path, harts_run=RunConfig(budget_tokens=8))

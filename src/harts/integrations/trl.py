@@ -2,29 +2,47 @@
 (``num_generations`` of them) and any other common prefix run once in forward and backward.
 
 A drop-in subclass: the same constructor (two keyword options added), TRL's own generation,
-rewards, advantages, loss types, KL and entropy terms, logging and optimizer. What changes is
-``_get_per_token_logps_and_entropies``, which TRL calls for the policy's log-probs (with autograd)
-and, without it, for the old and reference log-probs: here one harts forward over the batch's
-prefix-merged forest (:func:`harts.integrations.batch.batch_logprobs`) replaces the batched stock
-forward over every padded row. TRL's prompt + completion batch is left-padded prompts followed by
-right-padded completions, one contiguous run per row, which harts reads from the attention mask.
-The values equal the stock forward of each sequence alone within fp32 rounding, and so do the
-gradients TRL's loss sends back.
+rewards, advantages, loss types, KL and entropy terms, logging and optimizer. TRL's prompt +
+completion batch is left-padded prompts followed by right-padded completions, one contiguous run
+per row, which harts reads from the attention mask and runs as one prefix-merged forest. The
+values equal the stock forward of each sequence alone within fp32 rounding, and so do the
+gradients of TRL's loss. Two ways in:
+
+- ``_get_per_token_logps_and_entropies``, which TRL calls for the policy's log-probs (with
+  autograd) and, without it, for the old and reference log-probs: one harts forward over the
+  forest (:func:`harts.integrations.batch.batch_logprobs`) replaces the batched stock forward
+  over every padded row, and TRL's loss backpropagates through it. The plain single-process,
+  unbudgeted step.
+- ``compute_loss``, with a token budget (``harts_run.budget_tokens``) or a model that accelerate
+  wrapped in DDP: harts runs the step (:func:`harts.forest_backward`) with TRL's own
+  ``_compute_loss`` as the loss of its rows, so every TRL loss type, KL, entropy term and metric
+  stays TRL's. The forest is cut into micro-batches under the budget (each part's forward and
+  backward seeded with the gradient of TRL's loss by the rows); under DDP the step runs on the
+  wrapped module and the gradients are summed over the ranks by harts
+  (:func:`harts.runtime.distributed.data_parallel_step`), the loss scaled by ``1 / world size`` as
+  DDP's mean would scale it. TRL's normalisers across processes (``num_items_in_batch`` for
+  "dapo", "cispo", "vespo") are TRL's own. The gradients are in ``.grad`` when ``compute_loss``
+  returns; it hands the Trainer a leaf holding the loss's value, whose backward reaches no
+  parameter.
 
 Refused, with an error naming the option, before the first step: models harts does not run
 (:func:`harts.supported_families`), vision inputs, the MoE load-balancing loss through TRL
 (``router_aux_loss_coef``; harts' own is ``harts.MoEConfig``), TRL's bf16/fp16 autocast (the
-default ``bf16=True``: set ``bf16=False`` and load the model in bf16 instead), a model wrapped
-for data-parallel training (DDP, FSDP, DeepSpeed: harts refuses the wrapper rather than skip its
-gradient sync).
+default ``bf16=True``: set ``bf16=False`` and load the model in bf16 instead), and accelerate's
+FSDP, DeepSpeed and other non-DDP distributed types (their parameter gathering and gradient
+reduction live in the wrapper's forward and hooks, which harts does not run).
 
 What this leaves out: generation (TRL's, unchanged: ``model.generate`` or vLLM), TRL's
 ``batch_size`` chunking of the log-prob forward (the whole batch is one forest, so that groups
-share their prompt), and token budgets (TRL's loss needs every log-prob before its backward).
+share their prompt), and a budget on the forward-only passes (the old and reference log-probs
+run the batch as one forest without autograd; the budget bounds the training step).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
 try:
@@ -33,15 +51,26 @@ except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError("harts.integrations.trl needs TRL: pip install 'harts[trl]'") from err
 
 from harts.adapters import supported_families
+from harts.batch_layout import batch_layout
+from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
 from harts.runtime.config import RunConfig
+from harts.runtime.distributed import data_parallel, data_parallel_step, unwrap_data_parallel
+from harts.runtime.step import forest_backward
 
 __all__ = ["GRPOTrainer"]
+
+Tensor = torch.Tensor
 
 # multimodal inputs TRL may pass; harts runs text-only causal LMs
 _VISION = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+# accelerate's distributed types whose model is a plain module or a DDP wrapper
+_DDP_TYPES = (
+    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+    "MULTI_HPU",
 )  # fmt: skip
 
 
@@ -50,23 +79,54 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(base, "_orig_mod", base)
 
 
+def _completion_mask(attention_mask: Tensor, logits_to_keep: int) -> Tensor:
+    """The positions TRL scores: the last ``logits_to_keep`` columns where the mask is set."""
+    score = attention_mask.clone()
+    score[:, : attention_mask.shape[1] - logits_to_keep] = 0
+    return score
+
+
+class _Rows:
+    """TRL's padded batch as harts' next-token rows over its prefix-merged forest, and the way back:
+    row r predicts the token at (trajectory[r], position[r]) from the position before it, and
+    :meth:`batch` puts row values where TRL's completion columns hold them."""
+
+    def __init__(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, share_prefixes: bool):
+        self.layout = batch_layout(input_ids, attention_mask)
+        self.keep = logits_to_keep
+        score = self.layout.split(_completion_mask(attention_mask, logits_to_keep).cpu().bool(), "mask")
+        positions = [np.flatnonzero(m.numpy()) for m in score]
+        if any(p.size and p[0] == 0 for p in positions):
+            raise ValueError("a sequence has no prompt token: nothing predicts its first completion token")
+        tokens = self.layout.split(input_ids.cpu(), "input_ids")
+        self.forest = build_forest(tokens, share_prefixes=share_prefixes)
+        paths = [self.forest.trajectory_token_indices(b) for b in range(self.forest.num_trajectories)]
+        counts = torch.tensor([p.size for p in positions])
+        self.trajectory = torch.repeat_interleave(torch.arange(len(positions)), counts)
+        self.position = torch.from_numpy(np.concatenate(positions).astype(np.int64))
+        lengths = torch.tensor([p.numel() for p in paths])
+        where = (torch.cumsum(lengths, 0) - lengths)[self.trajectory] + self.position
+        flat = torch.cat(paths)
+        self.predictor = flat[where - 1]
+        self.target = self.forest.tokens[flat[where]]
+
+    def batch(self, values: Tensor) -> Tensor:
+        """Row values [R] as TRL's [B, K] completion columns, 0 elsewhere (differentiable)."""
+        return self.layout.scatter(values, self.trajectory, self.position)[:, -self.keep :]
+
+
 class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token log-probs and entropies come from harts' tree forward.
 
-    Takes TRL's arguments unchanged, plus ``harts_run`` (a :class:`harts.RunConfig`: linear
-    plan, head chunk; it changes time, never values; no token budget) and ``share_prefixes``
-    (False runs each sequence on its own through harts: the flat baseline).
+    Takes TRL's arguments unchanged, plus ``harts_run`` (a :class:`harts.RunConfig`: token
+    budget, linear plan, head chunk; it changes time and memory, never values) and
+    ``share_prefixes`` (False runs each sequence on its own through harts: the flat baseline).
     """
 
     def __init__(self, *args, harts_run: RunConfig | None = None, share_prefixes: bool = True, **kwargs):
         self.harts_run = RunConfig.resolve(harts_run)
-        if self.harts_run.budget_tokens is not None:
-            raise ValueError(
-                "harts_run.budget_tokens is not supported under TRL: TRL's loss needs every log-prob of the "
-                "batch before its backward, so the batch runs as one forest (harts.integrations.batch_step "
-                "for budgeted steps)"
-            )
         self.share_prefixes = bool(share_prefixes)
+        self._harts_supplied: tuple[Tensor, Tensor] | None = None
         super().__init__(*args, **kwargs)
         family = getattr(_base_model(self.model).config, "model_type", None)
         if family not in supported_families():
@@ -84,7 +144,58 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "router_aux_loss_coef != 0: TRL's MoE load-balancing loss reads the router logits of the "
                 "stock forward, which harts does not run; set router_aux_loss_coef=0.0 in GRPOConfig"
             )
+        kind = getattr(self.accelerator.distributed_type, "name", str(self.accelerator.distributed_type))
+        if kind not in _DDP_TYPES:
+            raise ValueError(
+                f"accelerate's distributed type {kind}: its parameter gathering and gradient reduction run "
+                f"in the wrapper's forward and hooks, which harts does not call; harts' drop-in runs one "
+                f"process or DDP (accelerate launch without an FSDP or DeepSpeed config)"
+            )
 
+    # ---- harts' step: TRL's loss inside forest_backward -------------------------------------------
+    def _harts_steps(self, model) -> bool:
+        """Whether harts runs the step (loss and backward): with a token budget, or a DDP model
+        (whose gradient sync harts does itself)."""
+        return self.harts_run.budget_tokens is not None or data_parallel(model) is not None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; with a budget or under DDP (see the module docstring) its gradients are
+        accumulated into ``.grad`` here, and the returned leaf's backward adds nothing."""
+        if not (self._harts_steps(model) and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
+        return self._harts_step(model, inputs).requires_grad_()
+
+    def _harts_step(self, model, inputs) -> Tensor:
+        """One harts step over the batch's forest; TRL's ``_compute_loss`` is the loss of its rows
+        (called once: with a budget, on every row's value from the forward-only pass). Returns the
+        detached loss as TRL computed it on this process."""
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        rows = _Rows(input_ids, attention_mask, completion_ids.size(1), self.share_prefixes)
+        seen: dict[str, Tensor] = {}
+        with data_parallel_step(model) as (module, dp):
+            scale = 1.0 / dp.world_size if dp is not None else 1.0  # DDP's mean over the ranks
+
+            def loss_fn(logprob: Tensor, entropy: Tensor) -> Tensor:
+                self._harts_supplied = (rows.batch(logprob), rows.batch(entropy))
+                try:
+                    loss = super(GRPOTrainer, self)._compute_loss(module, inputs)
+                finally:
+                    self._harts_supplied = None
+                seen["loss"] = loss.detach()
+                return loss * scale
+
+            self._harts_result = forest_backward(
+                module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
+                temperature=self.temperature,
+            )  # fmt: skip
+        self._harts_redundancy = rows.forest.redundancy
+        return seen["loss"].clone()
+
+    # ---- the log-probs TRL asks for -----------------------------------------------------------------
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -97,7 +208,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         **vision,
     ):
         """(log-probs [B, K], entropies [B, K] or None, None) of the last K = ``logits_to_keep``
-        columns, as TRL's own, from one harts forward over the batch's forest."""
+        columns, as TRL's own: inside harts' step, the rows' values it supplies; otherwise one
+        harts forward over the batch's forest."""
         given = sorted(name for name, value in vision.items() if value is not None)
         if given:
             raise ValueError(f"harts runs text-only models; the batch has vision inputs {given}")
@@ -108,12 +220,25 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(
                 "the MoE load-balancing loss through TRL is not supported: set router_aux_loss_coef=0"
             )
-        width = input_ids.shape[1]
-        score = attention_mask.clone()
-        score[:, : width - logits_to_keep] = 0  # only the completion is scored, as TRL's labels say
+        if self._harts_supplied is not None:
+            logps, entropies = self._harts_supplied
+            if tuple(logps.shape) != (input_ids.shape[0], logits_to_keep):
+                raise ValueError(f"harts' step has log-probs of shape {tuple(logps.shape)}, TRL asks for "
+                                 f"{(input_ids.shape[0], logits_to_keep)}")  # fmt: skip
+            return logps, entropies if compute_entropy else None, None
+        if data_parallel(model) is not None:
+            if torch.is_grad_enabled():
+                raise ValueError(
+                    "log-probs with autograd through a data-parallel model outside harts' step: its "
+                    "gradient sync would not run; GRPOTrainer.compute_loss runs such steps"
+                )
+            model = unwrap_data_parallel(model)  # no gradients, nothing to synchronise
+        # a forward-only pass (or the unbudgeted step): the whole forest at once; a budget bounds the
+        # graph harts' step keeps, and these passes keep none
+        run = dataclasses.replace(self.harts_run, budget_tokens=None)
         out = batch_logprobs(
-            model, input_ids, attention_mask, score_mask=score, temperature=self.temperature,
-            share_prefixes=self.share_prefixes, run=self.harts_run,
+            model, input_ids, attention_mask, score_mask=_completion_mask(attention_mask, logits_to_keep),
+            temperature=self.temperature, share_prefixes=self.share_prefixes, run=run,
         )  # fmt: skip
         self._harts_redundancy = out.forest.redundancy
         logps = out.logprobs[:, -logits_to_keep:]

@@ -1,0 +1,130 @@
+"""TRL's GRPO loop on a tiny model, stock and through harts' drop-in: the pieces both runs share
+(tokenizer, reward, snapshots, config) and the entry point of the multi-process test.
+
+Launched by ``torch.distributed.run`` on CPU (gloo), each process is one of accelerate's
+``MULTI_CPU`` ranks, as under ``accelerate launch``: the Trainer wraps the model in DDP. Every
+rank runs each variant twice, once with ``trl.GRPOTrainer`` and once with
+``harts.integrations.trl.GRPOTrainer``, from the same saved model and seed, and writes
+``rank{r}.pt`` to the output folder: per variant and trainer, the parameters at the start and
+after every optimizer step, the completions its reward function saw, and what ran (the
+distributed type, the wrapper, harts' micro-batches).
+
+Usage: ``python -m torch.distributed.run --nproc_per_node=2 tests/trl_worker.py MODEL_DIR OUT_DIR``
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import trl
+from datasets import Dataset  # a TRL dependency
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+PROMPTS = ["t10 t11 t12 t13 t14 t15 t16", "t20 t21 t22", "t30 t31 t32 t33", "t40 t41"]
+# the two processes' runs: a step of two accumulated micro-batches on each of 2 ranks takes
+# 2 x 2 x 8 completions, 8 prompts' groups of 4
+MORE_PROMPTS = [*PROMPTS, "t50 t51 t52 t53 t54", "t60", "t70 t71 t72 t73 t74 t75", "t80 t81"]
+
+# the variants of the multi-process test: TRL's config overrides and harts' token budget.
+# "dapo" normalises by the completion tokens of every process (num_items_in_batch), over two
+# accumulated micro-batches; "grpo" by each sequence's own length; the budget cuts each group's
+# tree into parts (the three passes). No clipping: a wrong scale of the gradient shows.
+VARIANTS = {
+    "dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2, "max_grad_norm": 0.0}, None),
+    "grpo_budget": ({"loss_type": "grpo", "max_grad_norm": 0.0}, 8),
+}
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' 128 ids ("t0" .. "t127"): nothing to download."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
+
+
+class Recorder:
+    """A reward function (share of even token ids) that records the completions it scores."""
+
+    __name__ = "even_tokens"
+
+    def __init__(self):
+        self.completions: list[list[list[int]]] = []
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        self.completions.append([list(c) for c in completion_ids])
+        return [sum(t % 2 == 0 for t in c) / max(1, len(c)) for c in completion_ids]
+
+
+class Snapshots(TrainerCallback):
+    """The parameters at the start and after every optimizer step."""
+
+    def __init__(self):
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def config(out_dir, **overrides) -> trl.GRPOConfig:
+    """Plain SGD (each update is the learning rate times the gradient, so the updates' relative
+    error is the gradients'), fp32, two iterations per generation (old log-probs, ratios away
+    from 1 on the second step) and beta > 0 (the reference model's pass and the KL term)."""
+    args = dict(
+        output_dir=str(Path(out_dir) / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=5, max_steps=2, num_iterations=2, learning_rate=0.5, optim="sgd",
+        beta=0.04, bf16=False, report_to="none", use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+        logging_steps=1, model_init_kwargs={"dtype": torch.float32},
+    )  # fmt: skip
+    args.update(overrides)
+    return trl.GRPOConfig(**args)
+
+
+def train(trainer_class, model_dir, out_dir, args: dict | None = None, prompts=PROMPTS, **kwargs):
+    """(trainer, completions its reward saw, parameter snapshots) of one seeded GRPO run."""
+    reward, snaps = Recorder(), Snapshots()
+    trainer = trainer_class(
+        model=str(model_dir), reward_funcs=reward, args=config(out_dir, **(args or {})),
+        processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[snaps],
+        **kwargs,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.train()
+    return trainer, reward.completions, snaps.params
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from harts import RunConfig
+    from harts.integrations.trl import GRPOTrainer
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, (overrides, budget) in VARIANTS.items():
+        for label, cls, kwargs in (
+            ("stock", trl.GRPOTrainer, {}),
+            ("harts", GRPOTrainer, {"harts_run": RunConfig(budget_tokens=budget)}),
+        ):
+            run_dir = Path(out_dir) / name / label
+            trainer, completions, params = train(cls, model_dir, run_dir, overrides, MORE_PROMPTS, **kwargs)
+            step = getattr(trainer, "_harts_result", None)
+            results[f"{name}/{label}"] = {
+                "params": params,
+                "completions": completions,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "wrapper": type(trainer.model_wrapped).__name__,
+                "num_processes": trainer.accelerator.num_processes,
+                "micro_batches": step.num_micro_batches if step is not None else 0,
+            }
+    torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
