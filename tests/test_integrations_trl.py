@@ -33,7 +33,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from harts import RunConfig
 from harts.integrations.trl import GRPOTrainer
 from harts.testing import tiny_model
-from tests.reference import GRAD_FLOOR, GRAD_RTOL, grad_relative_errors
+from tests.reference import GRAD_FLOOR, GRAD_RTOL, LOGIT_ATOL, grad_relative_errors
 from tests.trl_worker import PROMPTS, VARIANTS, Recorder, config, tokenizer, train
 
 HERE = Path(__file__).resolve().parent
@@ -84,9 +84,9 @@ def test_grpo_loop_matches_stock_trl_step_by_step(model_dir, tmp_path):
 def test_budgeted_step_matches_stock_trl(model_dir, tmp_path):
     """A token budget that cuts every group's tree into parts: TRL's loss ("bnpo", with the KL
     term and the entropy bonus) runs once on every row's value, each part's backward seeded with
-    its gradient; the parameters follow stock TRL's step by step."""
+    its gradient; the parameters follow stock TRL's step by step, and TRL logs the same metrics."""
     args = {"loss_type": "bnpo", "entropy_coef": 0.01, "max_grad_norm": 0.0}
-    _, stock_completions, stock = train(trl.GRPOTrainer, model_dir, tmp_path / "stock", args)
+    stock_trainer, stock_completions, stock = train(trl.GRPOTrainer, model_dir, tmp_path / "stock", args)
     trainer, harts_completions, tree = train(
         GRPOTrainer, model_dir, tmp_path / "harts", args, harts_run=RunConfig(budget_tokens=8)
     )
@@ -97,6 +97,17 @@ def test_budgeted_step_matches_stock_trl(model_dir, tmp_path):
     gaps = parameter_gaps(tree, stock)
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] <= 1, f"{worst}: {gaps[worst]:.3g} of the bound"
+    # TRL's metrics, logged by TRL from the values harts supplied: a log-softmax is off by at most
+    # twice its logits' error, and so are the means of the loss, KL and entropy; the gradient norm
+    # is within the gradients' bound
+    logs = [(a, b) for a, b in zip(stock_trainer.state.log_history, trainer.state.log_history, strict=True)
+            if "kl" in a]  # fmt: skip
+    assert len(logs) == 2
+    for want, got in logs:
+        assert set(got) == set(want)
+        for name in ("loss", "kl", "entropy"):
+            assert abs(got[name] - want[name]) <= 2 * LOGIT_ATOL, (name, got[name], want[name])
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= GRAD_RTOL * want["grad_norm"]
 
 
 def _env() -> dict:

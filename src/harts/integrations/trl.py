@@ -156,7 +156,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _harts_steps(self, model) -> bool:
         """Whether harts runs the step (loss and backward): with a token budget, or a DDP model
         (whose gradient sync harts does itself)."""
-        return self.harts_run.budget_tokens is not None or data_parallel(model) is not None
+        dp = data_parallel(model)
+        if dp is not None and dp.kind != "ddp":
+            raise ValueError(
+                "the model is sharded with FSDP2 (fully_shard): TRL's forward-only passes would run it "
+                "outside a sharded step; harts' drop-in runs one process or DDP"
+            )
+        return self.harts_run.budget_tokens is not None or dp is not None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; with a budget or under DDP (see the module docstring) its gradients are
