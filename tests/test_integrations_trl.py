@@ -150,6 +150,8 @@ def test_two_processes_match_stock_trl(model_dir, tmp_path):
         assert ranks[0][f"{name}/stock"]["completions"] != ranks[1][f"{name}/stock"]["completions"]
         for n, p in ranks[0][f"{name}/harts"]["params"][-1].items():
             assert torch.equal(p, ranks[1][f"{name}/harts"]["params"][-1][n]), (name, n)
+    for results in ranks:  # a gradient compression hook harts' own sum would skip: refused
+        assert "the DDP model has a communication hook" in results["comm_hook"], results["comm_hook"]
 
 
 def test_unsupported_setups_are_refused(model_dir, tmp_path):

@@ -7,7 +7,8 @@ rank runs each variant twice, once with ``trl.GRPOTrainer`` and once with
 ``harts.integrations.trl.GRPOTrainer``, from the same saved model and seed, and writes
 ``rank{r}.pt`` to the output folder: per variant and trainer, the parameters at the start and
 after every optimizer step, the completions its reward function saw, and what ran (the
-distributed type, the wrapper, harts' micro-batches).
+distributed type, the wrapper, harts' micro-batches); and the error a DDP communication hook
+gets from harts' drop-in.
 
 Usage: ``python -m torch.distributed.run --nproc_per_node=2 tests/trl_worker.py MODEL_DIR OUT_DIR``
 """
@@ -123,7 +124,38 @@ def main(model_dir: str, out_dir: str) -> None:
                 "num_processes": trainer.accelerator.num_processes,
                 "micro_batches": step.num_micro_batches if step is not None else 0,
             }
+    results["comm_hook"] = _refused_with_comm_hook(model_dir, Path(out_dir) / "comm_hook")
     torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
+
+
+class _CommHook(TrainerCallback):
+    """Registers DDP's plain all-reduce hook on the wrapped model once training begins."""
+
+    def __init__(self):
+        self.trainer = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.trainer.model_wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def _refused_with_comm_hook(model_dir, out_dir) -> str:
+    """The error harts' drop-in raises at the first step of a DDP model with a communication hook
+    (whose compression harts' own sum would skip), or "" when it ran."""
+    from harts.integrations.trl import GRPOTrainer
+
+    hook = _CommHook()
+    trainer = GRPOTrainer(
+        model=str(model_dir), reward_funcs=Recorder(), args=config(out_dir, max_steps=1), callbacks=[hook],
+        processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": MORE_PROMPTS}),
+    )  # fmt: skip
+    hook.trainer = trainer
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 if __name__ == "__main__":

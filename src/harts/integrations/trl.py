@@ -28,9 +28,12 @@ gradients of TRL's loss. Two ways in:
 Refused, with an error naming the option, before the first step: models harts does not run
 (:func:`harts.supported_families`), vision inputs, the MoE load-balancing loss through TRL
 (``router_aux_loss_coef``; harts' own is ``harts.MoEConfig``), TRL's bf16/fp16 autocast (the
-default ``bf16=True``: set ``bf16=False`` and load the model in bf16 instead), and accelerate's
-FSDP, DeepSpeed and other non-DDP distributed types (their parameter gathering and gradient
-reduction live in the wrapper's forward and hooks, which harts does not run).
+default ``bf16=True``: set ``bf16=False`` and load the model in bf16 instead), accelerate's
+FSDP, DeepSpeed and other non-DDP distributed types and ``torch.nn.DataParallel`` over several
+GPUs of one process (their parameter gathering, batch splitting and gradient reduction live in
+the wrapper's forward and hooks, which harts does not run); at the first step, a model sharded
+with FSDP2's ``fully_shard`` and a DDP communication hook (gradient compression: harts sums the
+gradients uncompressed).
 
 What this leaves out: generation (TRL's, unchanged: ``model.generate`` or vLLM), TRL's
 ``batch_size`` chunking of the log-prob forward (the whole batch is one forest, so that groups
@@ -144,6 +147,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "router_aux_loss_coef != 0: TRL's MoE load-balancing loss reads the router logits of the "
                 "stock forward, which harts does not run; set router_aux_loss_coef=0.0 in GRPOConfig"
             )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"{self.args.n_gpu} GPUs in one process (torch.nn.DataParallel, which splits the batch in "
+                f"its forward): launch one process per GPU (accelerate launch, DDP) instead"
+            )
         kind = getattr(self.accelerator.distributed_type, "name", str(self.accelerator.distributed_type))
         if kind not in _DDP_TYPES:
             raise ValueError(
@@ -161,6 +169,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(
                 "the model is sharded with FSDP2 (fully_shard): TRL's forward-only passes would run it "
                 "outside a sharded step; harts' drop-in runs one process or DDP"
+            )
+        if dp is not None and getattr(dp.wrapper, "_comm_hooks", None):
+            raise ValueError(
+                "the DDP model has a communication hook (accelerate's DistributedDataParallelKwargs "
+                "comm_hook, or register_comm_hook): harts sums the gradients over the ranks itself, "
+                "uncompressed, so the hook would not run; train without it"
             )
         return self.harts_run.budget_tokens is not None or dp is not None
 
