@@ -110,8 +110,11 @@ def test_budgeted_step_matches_stock_trl(model_dir, tmp_path):
         assert abs(got["grad_norm"] - want["grad_norm"]) <= GRAD_RTOL * want["grad_norm"]
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+def _env(home: Path) -> dict:
+    """The launch's environment: one thread a process, harts from this checkout, and an empty
+    Hugging Face home, so that no accelerate config of the machine changes the launch."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}",
+           "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -125,14 +128,19 @@ def _free_port() -> int:
 
 @pytest.mark.multiprocess
 def test_two_processes_match_stock_trl(model_dir, tmp_path):
-    """Two real processes (gloo), accelerate's MULTI_CPU with the model wrapped in DDP: harts'
-    drop-in runs the unwrapped module and sums the gradients over the ranks itself, and the
-    parameters equal stock TRL's under the same launch and seed: "dapo" (normalised by every
-    process's completion tokens) over two accumulated micro-batches, and "grpo" under a budget."""
-    port = f"--master_port={_free_port()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", port,
-               str(HERE / "trl_worker.py"), str(model_dir), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    """Two real processes under ``accelerate launch`` (gloo), accelerate's MULTI_CPU with the
+    model wrapped in DDP: harts' drop-in runs the wrapped module and sums the gradients over the
+    ranks itself, and the parameters equal stock TRL's under the same launch and seed: "dapo"
+    (normalised by every process's completion tokens) over two accumulated micro-batches, and
+    "grpo" under a budget."""
+    # accelerate's --cpu starts one process unless given an MPI hostfile; --multi_gpu starts them
+    # with torch.distributed.run, and TRL's use_cpu=True makes them MULTI_CPU ranks over gloo
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+               f"--main_process_port={_free_port()}", str(HERE / "trl_worker.py"), str(model_dir),
+               str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=_env(tmp_path / "hf"), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for name, (_, budget) in VARIANTS.items():

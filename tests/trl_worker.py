@@ -1,8 +1,8 @@
 """TRL's GRPO loop on a tiny model, stock and through harts' drop-in: the pieces both runs share
 (tokenizer, reward, snapshots, config) and the entry point of the multi-process test.
 
-Launched by ``torch.distributed.run`` on CPU (gloo), each process is one of accelerate's
-``MULTI_CPU`` ranks, as under ``accelerate launch``: the Trainer wraps the model in DDP. Every
+Launched by ``accelerate launch --multi_gpu --num_processes 2`` on a CPU (``use_cpu=True``: gloo),
+each process is one of accelerate's ``MULTI_CPU`` ranks and the Trainer wraps the model in DDP. Every
 rank runs each variant twice, once with ``trl.GRPOTrainer`` and once with
 ``harts.integrations.trl.GRPOTrainer``, from the same saved model and seed, and writes
 ``rank{r}.pt`` to the output folder: per variant and trainer, the parameters at the start and
@@ -10,7 +10,7 @@ after every optimizer step, the completions its reward function saw, and what ra
 distributed type, the wrapper, harts' micro-batches); and the error a DDP communication hook
 gets from harts' drop-in.
 
-Usage: ``python -m torch.distributed.run --nproc_per_node=2 tests/trl_worker.py MODEL_DIR OUT_DIR``
+Usage: ``accelerate launch --multi_gpu --num_processes 2 tests/trl_worker.py MODEL_DIR OUT_DIR``
 """
 
 from __future__ import annotations
