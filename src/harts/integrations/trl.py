@@ -191,6 +191,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         """One harts step over the batch's forest; TRL's ``_compute_loss`` is the loss of its rows
         (called once: with a budget, on every row's value from the forward-only pass). Returns the
         detached loss as TRL computed it on this process."""
+        given = sorted(name for name in _VISION if inputs.get(name) is not None)
+        if given:  # refused before the forward, not inside TRL's loss after it
+            raise ValueError(f"harts runs text-only models; the batch has vision inputs {given}")
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
