@@ -142,7 +142,7 @@ def test_two_processes_match_stock_trl(model_dir, tmp_path):
     done = subprocess.run(command, cwd=ROOT, env=_env(tmp_path / "hf"), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for name, (_, budget) in VARIANTS.items():
         for rank, results in enumerate(ranks):
             stock, tree = results[f"{name}/stock"], results[f"{name}/harts"]
