@@ -83,6 +83,7 @@ class Variant:
     loss: harts.PolicyLossConfig = LOSS
     checkpointing: bool = False
     moe: bool = False
+    aux_loss_coef: float = 0.0  # the MoE load-balancing loss (families that balance by it)
     # compared with this variant's run on the same ranks (the same work on each rank) instead of
     # with one process
     baseline: str | None = None
@@ -98,11 +99,24 @@ VARIANTS = {
     "fsdp-checkpointing": Variant("fsdp", checkpointing=True),
     "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
     "fsdp-moe-stats": Variant("fsdp", moe=True),
+    # the load-balancing loss: routing fractions of the whole step, summed over the ranks
+    "ddp-moe-aux": Variant("ddp", moe=True, aux_loss_coef=0.5),
+    "fsdp-moe-aux": Variant("fsdp", moe=True, aux_loss_coef=0.5),
+    "fsdp-moe-aux-whole": Variant("fsdp", run=harts.RunConfig(), moe=True, aux_loss_coef=0.5),
     # no budget: one micro-batch a rank, whose forest (and so its linear-attention plan) differs
     # from one process's single micro-batch of the whole batch
     "ddp-whole": Variant("ddp", run=harts.RunConfig()),
     "fsdp-whole": Variant("fsdp", run=harts.RunConfig(), baseline="ddp-whole"),
 }
+
+
+def variants_for(family: str) -> list[str]:
+    """The variants a family runs: the load-balancing loss only where the family balances by it."""
+    from harts.adapters import adapter_for
+    from harts.adapters.base import MoEBalancing
+
+    balancing = adapter_for(tiny_model(family, seed=0)).moe_balancing
+    return [n for n, v in VARIANTS.items() if v.aux_loss_coef == 0 or balancing is MoEBalancing.AUX_LOSS]
 
 
 def model_for(family: str, variant: Variant) -> torch.nn.Module:
@@ -115,13 +129,15 @@ def model_for(family: str, variant: Variant) -> torch.nn.Module:
 def one_step(model, rollouts, variant: Variant) -> dict:
     """One step of ``variant`` on ``model`` (wrapped or not) and one AdamW step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    moe = harts.MoEConfig(aux_loss_coef=0.0) if variant.moe else None
+    moe = harts.MoEConfig(aux_loss_coef=variant.aux_loss_coef) if variant.moe else None
     result = harts.rollout_step(model, rollouts, variant.loss, run=variant.run, moe=moe)
     grads = full_grads(model)
     optimizer.step()
     out = {"loss": result.loss, "grads": grads, "params": full_params(model)}
     if result.moe is not None:
         out["expert_counts"] = result.moe.expert_counts.clone()
+        if result.moe.aux_loss is not None:
+            out["aux_loss"] = result.moe.aux_loss.detach().clone()
     return out
 
 
@@ -232,7 +248,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         if mode == "step":
-            results = {name: step(family, VARIANTS[name]) for name in names or VARIANTS}
+            results = {name: step(family, VARIANTS[name]) for name in names or variants_for(family)}
         elif mode == "muon":
             results = [None] * dist.get_world_size()
             dist.all_gather_object(results, muon_gaps(family))

@@ -21,7 +21,7 @@ import torch
 import harts
 from harts.plan.ranks import RankCost, assign_trees
 from harts.testing import FAMILIES, tiny_model
-from tests.distributed_worker import VARIANTS, reference
+from tests.distributed_worker import VARIANTS, reference, variants_for
 from tests.helpers import one_thread, write_config  # noqa: F401 (fixture)
 
 HERE = Path(__file__).resolve().parent
@@ -81,6 +81,8 @@ def _check_against_one_process(family: str, results: dict) -> None:
             assert _relative(p, got["params"][param]) < param_rtol, (name, param)
         if "expert_counts" in want:
             assert torch.equal(got["expert_counts"], want["expert_counts"]), name
+        if "aux_loss" in want:
+            assert torch.allclose(got["aux_loss"], want["aux_loss"], rtol=1e-6, atol=0), name
 
 
 @pytest.mark.multiprocess
@@ -93,7 +95,7 @@ def test_one_step_on_two_ranks_equals_one_process(family, tmp_path):
     done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     results = torch.load(out, weights_only=True)
-    assert set(results) == set(VARIANTS)
+    assert set(results) == set(variants_for(family))
     _check_against_one_process(family, results)
 
 
@@ -103,7 +105,7 @@ def test_one_step_on_four_ranks_equals_one_process(tmp_path):
     forwards and backwards."""
     family = STEP_FAMILIES[-1]
     out = tmp_path / "ranks.pt"
-    variants = ("fsdp", "fsdp-held")
+    variants = ("fsdp", "fsdp-held", "fsdp-moe-aux")
     done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out), *variants, nproc=4)
     assert done.returncode == 0, done.stderr[-3000:]
     _check_against_one_process(family, torch.load(out, weights_only=True))

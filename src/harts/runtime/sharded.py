@@ -18,7 +18,10 @@ Every gather and sum is a collective, so every rank must issue the same sequence
 ranks hold different trees and run different numbers of forwards and backwards. Before each
 part's forward or backward the ranks agree in lock step (:class:`_Lockstep`: one all-reduce of
 one integer, what each rank runs next); a rank whose next operation is not the one chosen runs
-a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. Gradients are
+a stand-in of it (gathers, sums of zeros) and keeps its own for a later round. A statistic of
+the whole step that a backward needs (the MoE routing fractions of the load-balancing loss) is
+one more such operation (:meth:`ShardedStep.agree_sum`), run once every rank's first forwards
+are done. Gradients are
 summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
 parameter no rank used keeps ``.grad`` None, as on one process.
 
@@ -41,7 +44,8 @@ from torch import nn
 __all__ = ["ShardedStep", "PartSegments", "LayerSegment"]
 
 Tensor = torch.Tensor
-_FORWARD, _BACKWARD, _DONE = 2, 1, 0
+# lock-step codes: the largest any rank wants runs first (forwards, then statistics, then backwards)
+_FORWARD, _AGREE, _BACKWARD, _DONE = 3, 2, 1, 0
 
 
 @dataclass
@@ -80,7 +84,8 @@ class _Unit:
 
 
 class _Lockstep:
-    """Ranks agree on the kind of each operation: forward (gathers), backward (gathers and sums)."""
+    """Ranks agree on the kind of each operation: forward (gathers), agreement on statistics (one
+    sum), backward (gathers and sums)."""
 
     def __init__(self, group, stand_in: Callable[[int], None]):
         self.group = group
@@ -125,6 +130,7 @@ class ShardedStep:
         self.model = model
         self.outer = _Unit(model, [n for n, _ in named], [p for _, p in named])
         self.lockstep = _Lockstep(group, self._stand_in)
+        self._agreement: tuple[int, torch.dtype] | None = None
 
     # ---- the step's frame ---------------------------------------------------------------------
     def begin(self) -> None:
@@ -157,6 +163,23 @@ class ShardedStep:
                 unit.module.reshard()
         for m in self.outer_modules:
             m.reshard()
+
+    # ---- statistics of the whole step ----------------------------------------------------------
+    def expect_agreement(self, numel: int, dtype: torch.dtype) -> None:
+        """Every rank's step will sum one tensor of ``numel`` elements over the ranks once
+        (:meth:`agree_sum`), after its first forwards and before its first backward: a rank that
+        stands in for it sums zeros of that size."""
+        self._agreement = (numel, dtype)
+
+    def agree_sum(self, t: Tensor) -> Tensor:
+        """``t`` (flat, the size given to :meth:`expect_agreement`) summed over the ranks, in lock
+        step: it runs once no rank has a forward left before its own agreement."""
+        if self._agreement is None or t.numel() != self._agreement[0]:
+            raise RuntimeError(f"agree_sum of {t.numel()} elements; expected {self._agreement}")
+        self.lockstep.enter(_AGREE)
+        on_device = t.to(self.lockstep.device)
+        dist.all_reduce(on_device, group=self.group)
+        return t.copy_(on_device)
 
     # ---- forward -----------------------------------------------------------------------------------
     def enter_forward(self) -> None:
@@ -233,6 +256,12 @@ class ShardedStep:
                 self.layer(index, None, None, None)
         elif kind == _BACKWARD:
             self.backward(None, [], {})
+        elif kind == _AGREE:
+            if self._agreement is None:
+                raise RuntimeError("another rank sums step statistics that this rank does not expect")
+            numel, dtype = self._agreement
+            zeros = torch.zeros(numel, dtype=dtype, device=self.lockstep.device)
+            dist.all_reduce(zeros, group=self.group)
 
     def _reduce(self, unit: _Unit) -> None:
         """Sum the unit's unsharded gradients over the ranks (zeros where this rank has none) and

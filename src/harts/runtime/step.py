@@ -145,6 +145,12 @@ class PartObserver:
     def after_part(self, part: int, layout: TreeLayout, first: bool, grad: bool) -> Tensor | None:
         return None
 
+    def term_inputs(self) -> list[tuple[int, Tensor]]:
+        """What the term ``after_part`` returned last is a function of: ``(decoder layer index,
+        tensor computed inside that layer)`` pairs whose graph to the term holds no parameter. A
+        sharded step backpropagates the term through them, each layer with its unit gathered."""
+        return []
+
 
 def next_token_rows(forest: Forest) -> tuple[Tensor, Tensor]:
     """(predictor [R], target [R]) for every next-token prediction of every trajectory."""
@@ -183,6 +189,7 @@ class _PartRun:
     leaves: list[tuple[int, str, int | None, Tensor]]  # (layer, name, state node, leaf)
     extra: Tensor | None  # the observer's loss term
     segments: PartSegments | None = None  # the graph cut at every layer (an FSDP2 step)
+    extra_inputs: list[tuple[int, Tensor]] = field(default_factory=list)  # the term's, by layer
 
 
 class _Clock:
@@ -273,7 +280,9 @@ class _Parts:
                     self.model.lm_head, hidden, local, self.target[rows].to(self.device), self.run.chunk_rows,
                     self.temperature,
                 )  # fmt: skip
-        part_run = _PartRun(exports, lp, en, leaves, self.observer.after_part(p, lay, first, grad), segments)
+        extra = self.observer.after_part(p, lay, first, grad)
+        inputs = self.observer.term_inputs() if extra is not None and segments is not None else []
+        part_run = _PartRun(exports, lp, en, leaves, extra, segments, inputs)
         if first and lp is not None:  # keep the rows' values (recomputation gives the same ones)
             rows_t = self.rows(p)
             self.logp[rows_t] = lp.detach().to(self.logp.dtype)
@@ -300,10 +309,8 @@ class _Parts:
         exported = [(layer, self._export(part_run, layer, name, node), g)
                     for (layer, name, node), g in received.items()]  # fmt: skip
         if self.sharded is not None:  # layer by layer, each unit gathered for its own backward
-            if part_run.extra is not None:
-                raise ValueError("an observer's loss term is not supported in a sharded (FSDP2) step")
             by_layer: dict[int, list[tuple[Tensor, Tensor]]] = {}
-            for layer, t, g in exported:
+            for layer, t, g in exported + self._term_roots(part_run):
                 by_layer.setdefault(layer, []).append((t, g))
             self.sharded.enter_backward()
             self.sharded.backward(part_run.segments, row_terms, by_layer)
@@ -325,6 +332,21 @@ class _Parts:
                     self.banks.send_back(p, layer, name, node, grad)
 
         self.clock.timed("handoff", route)
+
+    @staticmethod
+    def _term_roots(part_run: _PartRun) -> list[tuple[int, Tensor, Tensor]]:
+        """The observer's term as gradients of the tensors it is a function of, by layer: its graph
+        from them holds no parameter, so it runs here, and each layer's share runs with the
+        layer's backward (its unit gathered)."""
+        extra = part_run.extra
+        if extra is None or not extra.requires_grad:
+            return []
+        if not part_run.extra_inputs:
+            raise ValueError("an observer's loss term in a sharded (FSDP2) step needs its term_inputs")
+        tensors = [t for _, t in part_run.extra_inputs]
+        grads = torch.autograd.grad(extra, tensors, allow_unused=True)
+        pairs = zip(part_run.extra_inputs, grads, strict=True)
+        return [(layer, t, g) for (layer, t), g in pairs if g is not None]
 
     @staticmethod
     def _export(part_run: _PartRun, layer: int, name: str, node: int | None) -> Tensor:

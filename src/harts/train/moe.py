@@ -6,9 +6,18 @@ the micro-batches of a budgeted step: it counts each part's routing on the part'
 (each unique token weighted by its multiplicity), and adds to each part's backward the part's
 share of the load-balancing loss, ``coef * E * sum_e f_e P_e^(part)``, with ``f`` from the whole
 step (see :mod:`harts.objectives.moe`). The value and gradients equal one pass over the step.
+
+On several ranks the whole step is every rank's: before its first backward each rank sums its
+routed counts and token total with the others' (``agree``: one all-reduce of ``E + 1`` fp64
+numbers, exact integers), so ``f`` is the whole step's and each rank's terms are its own parts'
+``P``; the ranks' terms and gradients add up to one process's. The step already runs every
+part's forward before any backward when the aux loss is on (two forwards of each part but the
+last), so the ranks add no pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -73,10 +82,15 @@ class MoEObserver(PartObserver):
     Use inside ``with recorder:``; the step calls the hooks (:class:`~harts.runtime.step.PartObserver`).
     """
 
-    def __init__(self, recorder: RouterRecorder, aux_coef: float):
+    def __init__(
+        self, recorder: RouterRecorder, aux_coef: float, agree: Callable[[Tensor], Tensor] | None = None
+    ):
         self.recorder = recorder
         self.aux_coef = aux_coef
         self.has_aux = recorder.balancing is MoEBalancing.AUX_LOSS
+        self.agree = agree  # sums a flat fp64 tensor over the ranks (None: one process)
+        self.agreed = False
+        self._inputs: list[tuple[int, Tensor]] = []
         self.counts: Tensor | None = None
         self.tokens = 0
         self.routed: Tensor | None = None
@@ -95,8 +109,9 @@ class MoEObserver(PartObserver):
         weight = layout.local.token_multiplicity.to(layout.device)
         needs_term = grad and self.has_aux and self.aux_coef > 0
         sums = None
+        logits = self.recorder.logits if self.has_aux else []
         if self.has_aux and (first or needs_term):  # one pass over the logits serves both uses
-            sums = routing_sums(self.recorder.logits, weight, self.recorder.top_k)
+            sums = routing_sums(logits, weight, self.recorder.top_k)
         if first:
             counts = expert_counts(self.recorder.indices, weight, self.recorder.num_experts)
             self.counts = counts if self.counts is None else self.counts + counts
@@ -109,9 +124,37 @@ class MoEObserver(PartObserver):
         self.recorder.clear()
         if not needs_term:
             return None
+        self._agree()
+        self._inputs = list(zip(self.recorder.layers, logits, strict=True))
         # f from the whole step (every part's first forward has run), P from this part only
         return self.aux_coef * aux_loss_from_sums(self.routed, sums[1], self.total)
 
+    def term_inputs(self) -> list[tuple[int, Tensor]]:
+        """The router logits of each MoE layer: the aux term is softmaxes and sums of them."""
+        return self._inputs
+
+    def _agree(self) -> None:
+        """The whole step's routed counts and token total: every rank's, summed once."""
+        if self.agreed or self.agree is None:
+            return
+        both = self.agree(torch.cat([self.routed, self.total.reshape(1)]))
+        self.routed, self.total = both[:-1], both[-1]
+        self.agreed = True
+
+    def whole_step_aux_loss(self, all_reduce_sum: Callable[[Tensor], Tensor]) -> Tensor:
+        """The aux loss of every rank's step (detached), from the ranks' sums: call it on every rank
+        once the step is done (one all-reduce of ``2 E + 1`` fp64 numbers)."""
+        prob_sum = self.prob_sum.detach().to(torch.float64)
+        routed, total = (self.routed, self.total) if self.agreed else (None, None)
+        if routed is None:  # not yet the whole step's: sum them with the probabilities
+            both = all_reduce_sum(torch.cat([self.routed, self.total.reshape(1), prob_sum]))
+            routed, total, prob_sum = both[: len(prob_sum)], both[len(prob_sum)], both[len(prob_sum) + 1 :]
+        else:
+            prob_sum = all_reduce_sum(prob_sum)
+        return aux_loss_from_sums(routed, prob_sum, total).to(self.prob_sum.dtype)
+
     def stats(self) -> MoEStats:
+        """This rank's statistics; with ``agree``, the aux loss is this rank's share of the whole
+        step's (``f`` the step's, ``P`` this rank's), so the ranks' shares add up."""
         aux = aux_loss_from_sums(self.routed, self.prob_sum, self.total) if self.has_aux else None
         return MoEStats(self.recorder.layers, self.counts, torch.tensor(self.tokens), aux)

@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from harts.adapters.base import MoEBalancing
 from harts.forest import Forest, build_forest
 from harts.objectives.losses import (
     Aggregation,
@@ -121,9 +122,9 @@ def forest_step(
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
     with data_parallel_step(model) as (module, dp):
-        result = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
+        result, observer = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
     if dp is not None:
-        _sum_results(result, dp)
+        _sum_results(result, dp, observer)
     return result
 
 
@@ -135,12 +136,6 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
         normalizers = normalizers_for(rows, all_reduce=dp.all_reduce_sum if dp is not None else None)
     _check_inputs(forest, rows, config, normalizers, old_logprob)  # the model's own: forest_backward's
     aux_coef = resolve_aux_coef(moe, model) if moe is not None else 0.0
-    if dp is not None and aux_coef > 0:
-        raise ValueError(
-            f"the MoE load-balancing loss (aux_loss_coef={aux_coef}) over data-parallel ranks is not "
-            f"supported: its routing fractions would need every rank's counts mid-step; set "
-            f"MoEConfig(aux_loss_coef=0) (expert counts and the bias update are summed over the ranks)"
-        )
     device = model_device(model)
     if rows.device != device:
         rows = rows.to(device)
@@ -150,7 +145,9 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     loss_fn = _PolicyLoss(rows, config, normalizers, old_logprob)
 
     recorder = RouterRecorder(model) if moe is not None else None
-    observer = MoEObserver(recorder, aux_coef) if recorder is not None else None
+    observer = (
+        MoEObserver(recorder, aux_coef, _agreement(dp, recorder, aux_coef)) if recorder is not None else None
+    )
     with recorder if recorder is not None else nullcontext():
         result = forest_backward(
             model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
@@ -164,10 +161,22 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
             if aux_coef > 0:
                 result.loss = result.loss + aux_coef * stats.aux_loss.detach().to(result.loss.dtype)
                 result.metrics["loss"] = result.loss
-    return result
+    return result, observer
 
 
-def _sum_results(result: StepResult, dp: DataParallel) -> None:
+def _agreement(dp: DataParallel | None, recorder: RouterRecorder, aux_coef: float):
+    """How the aux loss's routing fractions become the whole step's on several ranks: one sum of
+    ``E + 1`` numbers, in the sharded step's lock step under FSDP2 (no other collective runs
+    inside a DDP step's parts)."""
+    if dp is None or aux_coef == 0 or recorder.balancing is not MoEBalancing.AUX_LOSS:
+        return None
+    if dp.sharded is None:
+        return dp.all_reduce_sum
+    dp.sharded.expect_agreement(recorder.num_experts + 1, torch.float64)
+    return dp.sharded.agree_sum
+
+
+def _sum_results(result: StepResult, dp: DataParallel, observer: MoEObserver | None) -> None:
     """Loss, metrics and expert counts of the whole step on every rank: each rank's are its share
     of sums over the step's normalisers, so they add up."""
     names = sorted(result.metrics)
@@ -182,6 +191,11 @@ def _sum_results(result: StepResult, dp: DataParallel) -> None:
     if result.moe is not None:
         dp.all_reduce_sum(result.moe.expert_counts)
         dp.all_reduce_sum(result.moe.tokens)
+        if result.moe.aux_loss is not None:
+            whole = observer.whole_step_aux_loss(dp.all_reduce_sum)
+            result.moe = dataclasses.replace(result.moe, aux_loss=whole)
+            if "moe_aux_loss" in result.metrics:  # the summed shares are the step's only when agreed
+                result.metrics["moe_aux_loss"] = whole
 
 
 def step_inputs(
