@@ -46,14 +46,16 @@ def batch(vocab_size: int, seed: int = 0) -> list[harts.Rollout]:
     return rollouts
 
 
-def wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, kind: str, offload: bool = False) -> torch.nn.Module:
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    # pinned memory needs an accelerator; on CPU ranks the policy runs with it off
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **policy)
+    return fully_shard(model, **policy)
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,6 +86,7 @@ class Variant:
     checkpointing: bool = False
     moe: bool = False
     aux_loss_coef: float = 0.0  # the MoE load-balancing loss (families that balance by it)
+    offload: bool = False  # FSDP2's CPUOffloadPolicy
     # compared with this variant's run on the same ranks (the same work on each rank) instead of
     # with one process
     baseline: str | None = None
@@ -99,6 +102,7 @@ VARIANTS = {
     "fsdp-checkpointing": Variant("fsdp", checkpointing=True),
     "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
     "fsdp-moe-stats": Variant("fsdp", moe=True),
+    "fsdp-offload": Variant("fsdp", offload=True),
     # the load-balancing loss: routing fractions of the whole step, summed over the ranks
     "ddp-moe-aux": Variant("ddp", moe=True, aux_loss_coef=0.5),
     "fsdp-moe-aux": Variant("fsdp", moe=True, aux_loss_coef=0.5),
@@ -153,7 +157,7 @@ def step(family: str, variant: Variant) -> dict:
     rollouts = batch(model.config.vocab_size)
     forest = harts.build_forest([r.tokens for r in rollouts])
     mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
-    return one_step(wrap(model, variant.kind), mine, variant)
+    return one_step(wrap(model, variant.kind, variant.offload), mine, variant)
 
 
 def units_held(family: str, variant: Variant) -> dict:

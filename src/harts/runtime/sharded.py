@@ -282,7 +282,8 @@ class ShardedStep:
             for i, piece in zip(index, flat.split([full[i].numel() for i in index]), strict=True):
                 s, whole = unit.sharded[i], piece.view(full[i].shape)
                 if isinstance(s, DTensor):
-                    local = _local_shard(whole, s)
+                    # the shard's own device: the CPU under FSDP2's CPUOffloadPolicy
+                    local = _local_shard(whole, s).to(_local(s).device)
                     new = DTensor.from_local(local.contiguous(), s.device_mesh, s.placements,
                                              shape=s.shape, stride=s.stride())  # fmt: skip
                 else:  # a parameter fully_shard left replicated keeps the full sum
