@@ -65,6 +65,8 @@ def test_unknown_top_level_key_and_section(tmp_path):
         ({"epochs": 2}, {}, "steps and epochs: give one"),
         ({}, {"model": {"path": "/models/x"}}, "model: give exactly one of path"),
         ({}, {"moe": {"bias_update_speed": 0.001}}, "moe: set moe.enabled = true"),
+        ({}, {"optimizer": {"master_weights": "no"}}, "optimizer.master_weights: expected true or false"),
+        ({}, {"optimizer": {"master_weights": 0}}, "master_weights: expected true or false, got 0 (int)"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_key(tmp_path, top, sections, expected):
@@ -107,6 +109,12 @@ def test_defaults_follow_the_library(tmp_path):
     assert config.run.run_config() == harts.RunConfig()
     assert config.optimizer.kind == "adamw" and config.schedule.kind == "constant"
     assert config.max_grad_norm == 1.0 and config.checkpoint.keep_last == 3
+    assert config.optimizer.master_weights is True  # a bf16 / fp16 model trains from fp32 masters
+
+
+def test_master_weights_can_be_turned_off(tmp_path):
+    config = load_config(write_config(tmp_path / "run.toml", optimizer={"master_weights": False}))
+    assert config.optimizer.master_weights is False
 
 
 def test_cli_reports_a_bad_config_in_one_line_with_status_2(tmp_path, capsys):

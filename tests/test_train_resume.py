@@ -9,6 +9,7 @@ with a ``model.safetensors`` byte-identical to an uninterrupted run's. Ctrl-C (S
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -18,13 +19,14 @@ import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from harts.cli import main as harts_main
 from harts.testing import FAMILIES
 from harts.trainer.checkpoint import latest, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
-from harts.trainer.loop import train_step
+from harts.trainer.loop import train, train_step
 from harts.trainer.optim import build_optimizers
 from tests.helpers import (
     ROOT,
@@ -33,7 +35,6 @@ from tests.helpers import (
 )
 
 STEPS = 16
-
 
 
 def _config(tmp_path):
@@ -152,3 +153,63 @@ def test_a_model_loaded_from_a_checkpoint_computes_the_same_bits(family, tmp_pat
         train_step(m, steps[1], config.objective, loss, run, None)
     grads = dict(loaded.named_parameters())
     assert all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
+
+
+def _dcp_state(checkpoint) -> dict:
+    """A checkpoint's ``state/`` (torch.distributed.checkpoint) read whole, as one dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoint / ".." / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "state", target)
+    return torch.load(target, weights_only=True)
+
+
+def test_bf16_resume_restores_the_fp32_masters_bit_for_bit(tmp_path, capsys):
+    """A bf16 run at a learning rate whose updates mostly fall below half a bf16 ulp: what it has
+    learnt lives in the fp32 masters, so a resume that restarted from the bf16 weights would end
+    elsewhere. Stopped after 2 of 4 steps (a run of 2 steps, then resumed to 4) it must end with
+    the uninterrupted run's bf16 model, masters and optimizer state, bit for bit."""
+    sections = dict(model={"tiny": "llama", "dtype": "bfloat16"}, optimizer={"kind": "muon", "lr": 1e-5},
+                    schedule={"warmup_steps": 2}, checkpoint={"every": 1, "keep_last": 4})  # fmt: skip
+    short = write_config(tmp_path / "short.toml", {"steps": 2}, **sections)
+    whole = write_config(tmp_path / "whole.toml", {"steps": 4}, **sections)
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    harts_main(["train", str(short), "--out", str(stopped)])
+    pure = write_config(tmp_path / "pure.toml", {"steps": 4}, **{**sections, "optimizer": {
+        **sections["optimizer"], "master_weights": False}})  # fmt: skip
+    with pytest.raises(ValueError, match="resume with the model.dtype and optimizer.master_weights"):
+        train(load_config(pure), stopped, resume=True, log=io.StringIO())
+    harts_main(["train", str(whole), "--out", str(stopped), "--resume"])
+    assert "resuming from" in capsys.readouterr().err
+    harts_main(["train", str(whole), "--out", str(straight)])
+
+    final = f"step-{4:06d}"
+    a, b = stopped / "checkpoints" / final, straight / "checkpoints" / final
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "trainer_state.pt").read_bytes() == (b / "trainer_state.pt").read_bytes()
+    sa, sb = _dcp_state(a), _dcp_state(b)
+    assert sa.keys() == sb.keys() == {"model", "masters", "optim"}
+    flat_a, flat_b = _tensors(sa), _tensors(sb)
+    assert flat_a.keys() == flat_b.keys()
+    assert all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+    masters = sa["masters"]
+    assert all(m.dtype == torch.float32 for m in masters.values())
+    assert all(v.dtype == torch.float32 for k, v in flat_a.items() if k.startswith("optim.state."))
+    with safe_open(a / "model.safetensors", "pt") as f:  # written in the dtype asked
+        saved = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert all(t.dtype == torch.bfloat16 for t in saved.values())
+    assert all(torch.equal(sa["model"][k], m.to(torch.bfloat16)) for k, m in masters.items())
+    # the masters hold more than their bf16 rounding: a restart from the bf16 weights would differ
+    assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in masters.values())
+
+
+def _tensors(tree, prefix="") -> dict:
+    if torch.is_tensor(tree):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {
+            k: v for key, sub in tree.items() for k, v in _tensors(sub, f"{prefix}.{key}".lstrip(".")).items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in _tensors(sub, f"{prefix}.{i}").items()}
+    return {}

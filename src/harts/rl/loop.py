@@ -205,7 +205,7 @@ class _Run:
         except ValueError as exc:
             raise type(exc)(f"step {self.step + 1}: {exc}") from None
         clip = config.max_grad_norm if config.max_grad_norm else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optim.parameters(), clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optim.take_gradients(), clip))  # fp32 masters
         if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
             raise TrainingDiverged(f"step {self.step + 1}: loss {float(result.loss)}, gradient norm "
                                    f"{grad_norm}: not finite; stopped before the update")  # fmt: skip

@@ -13,7 +13,7 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
     [objective]  the fields of harts.PolicyLossConfig, advantage, advantage_params, max_length
     [run]        the harts.RunConfig fields that make sense in a file
     [optimizer]  kind (adamw | muon), lr, muon_lr, weight_decay, betas, eps, momentum, adjust_lr,
-                 freeze_router
+                 freeze_router, master_weights
     [schedule]   kind (constant | linear | cosine), warmup_steps, min_lr_ratio
     [checkpoint] every, keep_last
     [logging]    every, tensorboard, plot
@@ -207,6 +207,8 @@ class OptimizerConfig:
     momentum: float = 0.95  # Muon's
     adjust_lr: str = "match_rms_adamw"  # Muon's learning-rate scaling (torch.optim.Muon adjust_lr_fn)
     freeze_router: bool = False
+    # a bf16 / fp16 model: step fp32 masters and round them into it (False: step it in place)
+    master_weights: bool = True
 
     def __post_init__(self):
         _one_of("optimizer.kind", self.kind, ("adamw", "muon"))

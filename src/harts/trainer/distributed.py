@@ -146,25 +146,46 @@ def _optimizers(optim) -> list[torch.optim.Optimizer]:
     return list(optim.optimizers.values())
 
 
-def save_state(directory: Path, model: nn.Module, optim) -> None:
-    """Model and optimizer state into ``directory/state`` (every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state(model: nn.Module, optim, with_model: bool = True) -> dict:
+    """The checkpoint's model and optimizer state, as ``torch.distributed.checkpoint`` names it.
 
-    model_state, optim_state = get_state_dict(model, _optimizers(optim))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / STATE_DIR)
+    With fp32 master weights the optimizer state is that of the masters (named as the model's
+    parameters), saved beside them under ``masters``; the model's own low-precision weights are
+    their rounding, saved under ``model`` for reading but restored from the masters."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optim.masters is None:
+        model_state, optim_state = get_state_dict(model, _optimizers(optim))
+        return {"model": model_state, "optim": optim_state}
+    masters, optim_state = get_state_dict(optim.masters.module, _optimizers(optim))
+    state = {"masters": masters, "optim": optim_state}
+    if with_model:
+        state["model"] = get_model_state_dict(model)
+    return state
+
+
+def save_state(directory: Path, model: nn.Module, optim) -> None:
+    """Model and optimizer state (and fp32 master weights) into ``directory/state`` (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optim), checkpoint_id=directory / STATE_DIR)
 
 
 def load_state(directory: Path, model: nn.Module, optim) -> None:
-    """Model and optimizer state from ``directory/state``, resharded to this run's ranks."""
+    """Model and optimizer state from ``directory/state``, resharded to this run's ranks; with
+    master weights, the masters and their state, and the model rounded from the masters."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, _optimizers(optim))
-    state = {"model": model_state, "optim": optim_state}
+    state = _state(model, optim, with_model=optim.masters is None)
     dcp.load(state, checkpoint_id=directory / STATE_DIR)
-    set_state_dict(model, _optimizers(optim), model_state_dict=state["model"],
+    if optim.masters is None:
+        set_state_dict(model, _optimizers(optim), model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])  # fmt: skip
+        return
+    set_state_dict(optim.masters.module, _optimizers(optim), model_state_dict=state["masters"],
                    optim_state_dict=state["optim"])  # fmt: skip
+    optim.masters.refresh()
 
 
 def full_model_state(model: nn.Module, ranks: Ranks | None) -> dict | None:

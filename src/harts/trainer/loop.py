@@ -3,9 +3,10 @@
 Each step: the next ``rollouts_per_step`` rollouts (whole groups) -> the forest and loss rows
 (what :func:`harts.rollout_step` builds) -> advantages from the configured estimator, when the
 rollouts carry rewards instead -> :func:`harts.forest_step` (forward and backward, every shared
-token once) -> gradient clipping -> optimizer step -> MoE bias update (when asked) -> schedule
-step -> ``zero_grad``. Checkpoints every ``checkpoint.every`` steps and at the end
-(:mod:`harts.trainer.checkpoint`); metrics of every step in ``OUT/metrics.jsonl``.
+token once) -> the gradients cast into the fp32 master weights (a bf16 or fp16 model) ->
+gradient clipping -> optimizer step (of the masters, rounded back into the model) -> MoE bias
+update (when asked) -> schedule step -> ``zero_grad``. Checkpoints every ``checkpoint.every``
+steps and at the end (:mod:`harts.trainer.checkpoint`); metrics of every step in ``OUT/metrics.jsonl``.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -287,6 +288,7 @@ class _Run:
         self.position = Position()
         if start is not None:
             trainer = torch.load(start.path / TRAINER_STATE, weights_only=True)
+            self.optim.check_masters(trainer.get("master_weights", False))
             if (start.path / STATE_DIR).is_dir():  # any world size: resharded to this run's ranks
                 _check_param_names(trainer.get("params", {}), self.param_names)
                 load_state(start.path, self.wrapped, self.optim)
@@ -361,7 +363,8 @@ class _Run:
             with quiet_transformers(), plain_class(self.model):
                 self.model.save_pretrained(directory, safe_serialization=True, state_dict=whole)
             trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(),
-                       "params": self.param_names}  # fmt: skip
+                       "params": self.param_names,
+                       "master_weights": self.optim.masters is not None}  # fmt: skip
             torch.save(trainer, directory / TRAINER_STATE)
             (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
             (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
@@ -380,7 +383,7 @@ class _Run:
         except ValueError as exc:
             raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
         clip = config.max_grad_norm if config.max_grad_norm else math.inf
-        grad_norm = _collective(_clip, optim.parameters(), clip)
+        grad_norm = _collective(_clip, optim.take_gradients(), clip)  # fp32 with master weights
         if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
             raise TrainingDiverged(
                 f"step {self.position.step + 1}: loss {float(result.loss)}, gradient norm {grad_norm}: not "

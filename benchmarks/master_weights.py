@@ -1,0 +1,97 @@
+"""bf16 training with and without fp32 master weights, against fp32: losses and weights moved.
+
+Runs ``harts train`` three times on the example rollouts (SFT, AdamW, constant learning rate,
+one thread): ``float32``; ``bfloat16`` with fp32 master weights (the default); ``bfloat16``
+with ``optimizer.master_weights = false``. Prints the loss of every step side by side and, at
+the end, the fraction of the model's weights that differ from the run's starting weights (for
+the master-weight run, of its fp32 masters too).
+
+    python benchmarks/master_weights.py [--steps 20] [--lr 1e-5] [--family llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from harts.trainer.config import parse_config
+from harts.trainer.inputs import load_model
+from harts.trainer.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = {
+    "fp32": ("float32", True),
+    "bf16 + fp32 masters": ("bfloat16", True),
+    "pure bf16": ("bfloat16", False),
+}
+
+
+def _config(family: str, dtype: str, masters: bool, steps: int, lr: float):
+    table = {
+        "seed": 0, "steps": steps, "threads": 1, "max_grad_norm": 1.0,
+        "model": {"tiny": family, "dtype": dtype},
+        "data": {"path": str(ROOT / "examples" / "rollouts.jsonl"), "rollouts_per_step": 8},
+        "objective": {"kind": "sft"},
+        "optimizer": {"kind": "adamw", "lr": lr, "master_weights": masters},
+        "checkpoint": {"every": 0},
+        "logging": {"every": steps, "plot": False},
+    }  # fmt: skip
+    return parse_config(table, ROOT)
+
+
+def _fraction_changed(start: dict, end: dict) -> float:
+    changed = sum(int((start[k] != end[k].to(start[k].dtype)).sum()) for k in start)
+    return changed / sum(t.numel() for t in start.values())
+
+
+def _masters(checkpoint: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    buffer = checkpoint.parent / "state.pt"
+    dcp_to_torch_save(checkpoint / "state", buffer)
+    return torch.load(buffer, weights_only=True).get("masters", {})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--family", default="llama")
+    args = parser.parse_args()
+    losses, moved = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (dtype, masters) in RUNS.items():
+            config = _config(args.family, dtype, masters, args.steps, args.lr)
+            start = {
+                k: v.detach().clone() for k, v in load_model(config.model, config.seed).state_dict().items()
+            }
+            out = Path(tmp) / name.replace(" ", "_")
+            summary = train(config, out, log=io.StringIO())
+            end = load_file(Path(summary["checkpoint"]) / "model.safetensors")
+            start = {k: v for k, v in start.items() if k in end}
+            moved[name] = _fraction_changed(start, end)
+            if dtype == "bfloat16" and masters:
+                fp32 = _masters(Path(summary["checkpoint"]))
+                moved[f"{name} (the masters)"] = _fraction_changed(
+                    {k: start[k].float() for k in fp32 if k in start}, fp32
+                )
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            losses[name] = [json.loads(line)["loss"] for line in lines]
+    print(f"tiny {args.family}, SFT on examples/rollouts.jsonl, AdamW lr {args.lr:g}, {args.steps} steps\n")
+    print("| step | " + " | ".join(RUNS) + " |")
+    print("|---|" + "---|" * len(RUNS))
+    for i in range(args.steps):
+        print(f"| {i + 1} | " + " | ".join(f"{losses[name][i]:.6f}" for name in RUNS) + " |")
+    print()
+    for name, fraction in moved.items():
+        print(f"weights changed after {args.steps} steps, {name}: {100 * fraction:.2f}%")
+
+
+if __name__ == "__main__":
+    main()
