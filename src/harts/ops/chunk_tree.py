@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from harts.ops.delta_rule import _exclusive_suffix_sum, _intra_chunk_scores
+from harts.ops.precision import no_autocast
 from harts.plan.chunk_tree import ChunkTreePlan
 
 __all__ = ["chunk_tree_gated_delta_rule", "chunk_tree_gated_linear_attention"]
@@ -54,24 +55,26 @@ class _TreeStateScan(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_starts, grad_ends):
-        trans, starts, source = ctx.saved_tensors
-        r = ctx.r
-        grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
-        if grad_ends is not None:
-            grad[r:] = grad_ends
-        grad_trans = torch.empty_like(trans)
-        for idx in reversed(ctx.levels):
-            g_end = grad[r + idx]  # complete: every reader of this end state is in a later level
-            if ctx.diagonal:
-                grad_trans[idx] = (g_end * starts[idx]).sum(-1)
-                g_start = trans[idx][..., None] * g_end
-            else:
-                grad_trans[idx] = g_end @ starts[idx].transpose(-1, -2)
-                g_start = trans[idx].transpose(-1, -2) @ g_end
-            if grad_starts is not None:
-                g_start = g_start + grad_starts[idx]
-            grad.index_add_(0, source[idx], g_start)
-        return grad_trans, grad[r:].clone(), grad[:r].clone(), None, None
+        # Called inside an autocast region, the adjoint stays in the forward's fp32 all the same.
+        with no_autocast(ctx.saved_tensors[0].device):
+            trans, starts, source = ctx.saved_tensors
+            r = ctx.r
+            grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
+            if grad_ends is not None:
+                grad[r:] = grad_ends
+            grad_trans = torch.empty_like(trans)
+            for idx in reversed(ctx.levels):
+                g_end = grad[r + idx]  # complete: every reader of this end state is in a later level
+                if ctx.diagonal:
+                    grad_trans[idx] = (g_end * starts[idx]).sum(-1)
+                    g_start = trans[idx][..., None] * g_end
+                else:
+                    grad_trans[idx] = g_end @ starts[idx].transpose(-1, -2)
+                    g_start = trans[idx].transpose(-1, -2) @ g_end
+                if grad_starts is not None:
+                    g_start = g_start + grad_starts[idx]
+                grad.index_add_(0, source[idx], g_start)
+            return grad_trans, grad[r:].clone(), grad[:r].clone(), None, None
 
 
 def _chunks(x: torch.Tensor, plan: ChunkTreePlan) -> torch.Tensor:

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from harts.ops.precision import no_autocast
+
 
 def _exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """out[t] = sum_{s > t} x[s] along ``dim``, accumulated from the end (no cancellation)."""
@@ -131,22 +133,24 @@ class _StateScan(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_starts, grad_final):
-        trans, starts = ctx.saved_tensors
-        B, H, n_chunks, K, V = starts.shape
-        g = grad_final if grad_final is not None else starts.new_zeros(B, H, K, V)
-        grad_trans = torch.empty_like(trans)
-        grad_drive = torch.empty_like(starts)
-        for n in range(n_chunks - 1, -1, -1):
-            grad_drive[:, :, n] = g
-            if ctx.diagonal:
-                grad_trans[:, :, n] = (g * starts[:, :, n]).sum(-1)
-                g = trans[:, :, n, :, None] * g
-            else:
-                grad_trans[:, :, n] = g @ starts[:, :, n].transpose(-1, -2)
-                g = trans[:, :, n].transpose(-1, -2) @ g
-            if grad_starts is not None:
-                g = g + grad_starts[:, :, n]
-        return grad_trans, grad_drive, g
+        # Called inside an autocast region, the adjoint stays in the forward's fp32 all the same.
+        with no_autocast(ctx.saved_tensors[0].device):
+            trans, starts = ctx.saved_tensors
+            B, H, n_chunks, K, V = starts.shape
+            g = grad_final if grad_final is not None else starts.new_zeros(B, H, K, V)
+            grad_trans = torch.empty_like(trans)
+            grad_drive = torch.empty_like(starts)
+            for n in range(n_chunks - 1, -1, -1):
+                grad_drive[:, :, n] = g
+                if ctx.diagonal:
+                    grad_trans[:, :, n] = (g * starts[:, :, n]).sum(-1)
+                    g = trans[:, :, n, :, None] * g
+                else:
+                    grad_trans[:, :, n] = g @ starts[:, :, n].transpose(-1, -2)
+                    g = trans[:, :, n].transpose(-1, -2) @ g
+                if grad_starts is not None:
+                    g = g + grad_starts[:, :, n]
+            return grad_trans, grad_drive, g
 
 
 def chunked_gated_delta_rule(

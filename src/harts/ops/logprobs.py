@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
+from harts.ops.precision import autocast_dtype, autocast_state, no_autocast, restored_autocast
+
 __all__ = ["token_logprobs", "head_token_logprobs", "plain_token_logprobs", "DEFAULT_CHUNK_ROWS"]
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -42,8 +44,21 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 
 def _logits(h, weight, bias):
+    low = autocast_dtype(h.device)
+    if low is not None:
+        return _autocast_logits(h, weight, bias, low)
     logits = (h @ weight.t()).to(_acc(weight))
     return logits + bias.to(logits.dtype) if bias is not None else logits
+
+
+def _autocast_logits(h, weight, bias, low: torch.dtype) -> torch.Tensor:
+    """The logits a stock head (``nn.Linear``) returns under autocast, in ``low``: inputs, weight and
+    bias rounded to ``low``, sums in fp32, rounded once; then widened for the fp32 softmax."""
+    with no_autocast(h.device):
+        logits = h.to(low).float() @ weight.to(low).float().t()
+        if bias is not None:
+            logits = logits + bias.to(low).float()
+        return logits.to(low).to(_acc(weight))
 
 
 class _LseEntropy(torch.autograd.Function):
@@ -61,11 +76,16 @@ class _LseEntropy(torch.autograd.Function):
             lse[s : s + chunk] = chunk_lse
             entropy[s : s + chunk] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, entropy)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.autocast = chunk, autocast_state(hidden.device)
         return lse, entropy
 
     @staticmethod
     def backward(ctx, grad_lse, grad_entropy):
+        with restored_autocast(ctx.autocast):  # the chunks' logits as the forward formed them
+            return _LseEntropy._backward(ctx, grad_lse, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_lse, grad_entropy):
         hidden, weight, bias, entropy = ctx.saved_tensors
         chunk = ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -137,9 +157,17 @@ def token_logprobs(
     # form each distinct pair's target logit once, so memory is O(pairs x D), not O(rows x D).
     pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
     pair_pred, pair_target = pairs // weight.shape[0], pairs % weight.shape[0]
-    target_logit = (hidden[pair_pred] * weight[pair_target]).sum(-1).to(lse.dtype)
-    if bias is not None:
-        target_logit = target_logit + bias[pair_target].to(lse.dtype)
+    low = autocast_dtype(hidden.device)
+    if low is not None:  # the target's logit rounded as the head's matmul under autocast rounds it
+        with no_autocast(hidden.device):
+            target_logit = (hidden[pair_pred].to(low).float() * weight[pair_target].to(low).float()).sum(-1)
+            if bias is not None:
+                target_logit = target_logit + bias[pair_target].to(low).float()
+            target_logit = target_logit.to(low).to(lse.dtype)
+    else:
+        target_logit = (hidden[pair_pred] * weight[pair_target]).sum(-1).to(lse.dtype)
+        if bias is not None:
+            target_logit = target_logit + bias[pair_target].to(lse.dtype)
     return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 

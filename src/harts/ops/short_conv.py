@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from harts.ops.precision import autocast_dtype, no_autocast
+
 __all__ = ["tree_short_conv"]
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu, "identity": lambda x: x}
@@ -37,6 +39,9 @@ def tree_short_conv(
     kernel = weight.shape[-1]
     if predecessors.dim() != 2 or predecessors.shape[1] != kernel:
         raise ValueError(f"predecessors must be [N, K={kernel}], got {tuple(predecessors.shape)}")
+    low = autocast_dtype(x.device)
+    if low is not None:
+        return _ACTIVATIONS[activation](_autocast_conv(x, weight, predecessors, bias, low))
     x = x.to(weight.dtype)
     # Row m of the padded input is the zero "before the path start".
     padded = torch.cat([x, x.new_zeros(1, c)], dim=0)
@@ -45,3 +50,17 @@ def tree_short_conv(
     if bias is not None:
         out = out + bias
     return _ACTIVATIONS[activation](out)
+
+
+def _autocast_conv(x, weight, predecessors, bias, low: torch.dtype) -> torch.Tensor:
+    """The convolution as ``conv1d`` under autocast computes it: input, weight and bias rounded to
+    ``low``, products summed in fp32, the sum (bias included) rounded once to ``low``."""
+    m, c = x.shape
+    with no_autocast(x.device):
+        x, weight = x.to(low).float(), weight.to(low).float()
+        padded = torch.cat([x, x.new_zeros(1, c)], dim=0)
+        window = padded[torch.where(predecessors >= 0, predecessors, m)]  # [N, K, C]
+        out = torch.einsum("nkc,ck->nc", window, weight)
+        if bias is not None:
+            out = out + bias.to(low).float()
+        return out.to(low)

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from harts.ops.precision import no_autocast
 from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.plan.chunk_tree import ChunkTreePlan
 from harts.plan.waves import LinearCall, LinearPlan
@@ -66,7 +67,16 @@ def tree_recurrence(
     root_states: dict[int, torch.Tensor] | None = None,
     recompute: bool = False,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """``recurrence`` over ``plan``: (o [N, H, V], {node: final state [H, K, V]})."""
+    """``recurrence`` over ``plan``: (o [N, H, V], {node: final state [H, K, V]}).
+
+    Under ``torch.autocast`` the recurrence runs with autocast off: its chunk maths and states stay
+    in fp32, as the fused kernels keep them (a recomputation in backward restores that state too).
+    """
+    with no_autocast(inputs[0].device):
+        return _tree_recurrence(recurrence, inputs, plan, scale, root_states, recompute)
+
+
+def _tree_recurrence(recurrence, inputs, plan, scale, root_states, recompute):
     recurrence.check(inputs)
     n = inputs[0].shape[0]
     if n != plan.num_tokens:

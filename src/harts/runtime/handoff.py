@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from harts.ops.backends import current_backend
+from harts.ops.precision import attention_inputs
 from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.ops.short_conv import tree_short_conv
 from harts.ops.tree_delta_rule import tree_recurrence
@@ -103,7 +104,8 @@ class MixerContext:
             key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
         extra = {k: x for k, x in (("window", window), ("sinks", sinks)) if x is not None}
         plan = self.layout.attention_plan
-        return current_backend().attention(query[0], key, value, plan, scaling, **extra)[None]
+        query, key, value = attention_inputs(query[0], key, value)  # as SDPA under autocast
+        return current_backend().attention(query, key, value, plan, scaling, **extra)[None]
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
         """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from harts.forest import Forest
+from harts.ops.precision import no_autocast
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches
 from harts.runtime.config import RunConfig
@@ -304,7 +305,16 @@ class _Parts:
 
         Nothing of the part (graph outputs, leaves and their gradients, which are often views of
         whole-layer gradient buffers) outlives this call, so none stays alive while the next part runs.
+
+        It runs outside autocast even when the step is called inside it, as a trainer's
+        ``loss.backward()`` after an autocast forward: every op's gradient then comes in the dtype
+        its forward ran in (autocast's casts are in the graph), and the ops kept in fp32 in the
+        forward (recurrences, softmaxes) are not rounded to the low precision in their backward.
         """
+        with no_autocast(self.device):
+            self._backward(p, part_run, row_terms)
+
+    def _backward(self, p: int, part_run: _PartRun, row_terms: list[tuple[Tensor, Tensor]]) -> None:
         received = self.clock.timed("handoff", self.banks.received, p)
         exported = [(layer, self._export(part_run, layer, name, node), g)
                     for (layer, name, node), g in received.items()]  # fmt: skip

@@ -1,0 +1,196 @@
+"""harts under ``torch.autocast`` (fp32 parameters, bf16 or fp16 compute) is no worse than the stock
+forward of each trajectory under the same autocast, both measured against the exact fp64 truth.
+
+Under autocast the stock forward runs its linear layers, convolutions and SDPA in the low
+precision and keeps norms, softmaxes and linear-attention states in fp32; harts' own ops take the
+same policy (``harts.ops.precision``). So harts is a computation of the same rounding class as
+the stock one: the same roundings, to the same unit roundoff u (2^-8 for bf16, 2^-11 for fp16),
+in a different order (tree attention over gathered keys, fp32 recurrences where the stock CPU
+fallback lets autocast round its matmuls, the chunked head). Its error against the truth is then
+of the size of the stock's. The bounds, per family and trajectory:
+
+- log-probs: max |harts - truth| <= 2 * max |stock - truth| + 2 ulp(max |log-prob|). The factor 2
+  allows harts' rounding order its own sample of the stock's error size; the ulps (the spacing of
+  the low dtype at the largest log-prob) allow the extra roundings harts does in a different
+  place (the head's target logit, gathered keys);
+- logits: the angle to the truth's logits, arccos(cosine), <= 2 * the stock's + 4u: a vector whose
+  entries each move by a relative u turns by at most u radians, and harts rounds at most a few
+  more times than stock;
+- gradients (the SFT sum through ``harts.rollout_step``, cut into micro-batches, so the hand-over
+  of keys, conv inputs and states is under autocast too): the relative error of all parameters'
+  gradients together <= 2 * the stock's + 4u, by the same argument as the logits.
+
+A failure of the policy shows up far past these: a tensor left in fp32 against a low-precision
+one crashes, and one rounded where stock keeps fp32 (a recurrent state, the softmax) costs orders
+of magnitude more than u.
+
+MoE layers choose every expert here (``num_experts_per_tok`` = the expert count, every group):
+top-k selection is discontinuous, and a token whose k-th and (k+1)-th scores lie within rounding
+of each other gets a different expert by chance, in stock as in harts (a measured jump of one
+logit by ~1 either way, which says nothing about the arithmetic). With every expert chosen the
+router's arithmetic (scores, correction bias, normalisation) still runs and is compared.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import harts
+from harts.testing import FAMILIES, tiny_config, tiny_model
+from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
+from tests.reference import exact_linear_kernels, fp64_copy, param_grads
+
+# One small tree: a shared prefix, branches at two depths, an unrelated root.
+TRAJECTORIES = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [5, 6, 7, 8, 20, 21, 22],
+    [5, 6, 7, 30, 31],
+    [40, 41, 42, 43],
+]
+SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # the plain SFT sum
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype`` at |value|."""
+    mantissa = torch.finfo(dtype).eps  # ulp(1)
+    return mantissa * 2.0 ** math.floor(math.log2(max(abs(value), torch.finfo(dtype).tiny)))
+
+
+def every_expert(family: str) -> dict:
+    """Config overrides that make the family's MoE layers choose every expert (module docstring)."""
+    config = tiny_config(family)
+    experts = next((getattr(config, k) for k in ("n_routed_experts", "num_local_experts", "num_experts")
+                    if getattr(config, k, None)), None)  # fmt: skip
+    if experts is None or not hasattr(config, "num_experts_per_tok"):
+        return {}
+    overrides = {"num_experts_per_tok": experts}
+    if getattr(config, "n_group", None):
+        overrides["topk_group"] = config.n_group
+    return overrides
+
+
+@functools.cache
+def model_of(family: str):
+    return tiny_model(family, seed=7, **every_expert(family))
+
+
+def sft_rows(logits: torch.Tensor, trajectory) -> torch.Tensor:
+    """Next-token log-probs: the log-softmax in fp32 (fp64 for the truth), as stock losses take it."""
+    ids = torch.tensor(trajectory)
+    logits = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+
+
+@functools.cache
+def truth(family: str):
+    """fp64 logits, next-token log-probs and SFT-sum gradients, one stock forward per trajectory."""
+    model64 = fp64_copy(model_of(family))
+    model64.zero_grad(set_to_none=True)
+    logits, logprobs = [], []
+    with exact_linear_kernels(model64):
+        for t in TRAJECTORIES:
+            out = model64(input_ids=torch.tensor([t])).logits[0]
+            lp = sft_rows(out, t)
+            (-lp.sum()).backward()
+            logits.append(out.detach())
+            logprobs.append(lp.detach())
+    return logits, logprobs, param_grads(model64)
+
+
+def stock(model, dtype):
+    """The stock forward of each trajectory alone under autocast; backward outside it, as trainers do."""
+    model.zero_grad(set_to_none=True)
+    logits, logprobs = [], []
+    for t in TRAJECTORIES:
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(input_ids=torch.tensor([t])).logits[0]
+            lp = sft_rows(out, t)  # the loss's log-softmax in fp32 over the low-precision logits
+        (-lp.sum()).backward()
+        logits.append(out.detach().double())
+        logprobs.append(lp.detach().double())
+    return logits, logprobs, param_grads(model)
+
+
+def tree(model, dtype):
+    """harts.forward's logits and log-probs under autocast, and the SFT sum's gradients through
+    ``rollout_step`` in micro-batches of at most 7 tokens (hand-overs between them)."""
+    forest = harts.build_forest(TRAJECTORIES)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        out = harts.forward(model, forest)
+        logits = [out.trajectory_logits(i).double() for i in range(len(TRAJECTORIES))]
+        logprobs = [out.trajectory_logprobs(i).double() for i in range(len(TRAJECTORIES))]
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype):
+        rollouts = [harts.Rollout(t) for t in TRAJECTORIES]
+        harts.rollout_step(
+            model, rollouts, harts.PolicyLossConfig(kind="sft"), normalizers=SUM, budget_tokens=7
+        )
+    return logits, logprobs, param_grads(model)
+
+
+def angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).clamp(-1, 1)
+    return math.acos(cos.item())
+
+
+def global_relative_error(got: dict, exact: dict) -> float:
+    """||got - exact|| / ||exact|| over all parameters' gradients together: the error in the update
+    an optimiser applies. Single decay parameters (``A_log``, ``dt_bias``) are sums with heavy
+    cancellation whose relative error in low precision is a coin toss of rounding order, for stock
+    as for harts; their sizes are in the whole vector's error all the same."""
+    diff = sum(((got[k].double() - r) ** 2).sum().item() for k, r in exact.items())
+    return math.sqrt(diff) / math.sqrt(sum((r**2).sum().item() for r in exact.values()))
+
+
+def errors(got, exact) -> dict:
+    """Per trajectory: log-prob max error and logit angle; the whole gradient's relative error."""
+    logits, logprobs, grads = got
+    return {
+        "logprob": [(a - b).abs().max().item() for a, b in zip(logprobs, exact[1], strict=True)],
+        "angle": [angle(a, b) for a, b in zip(logits, exact[0], strict=True)],
+        "grad": global_relative_error(grads, exact[2]),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_no_worse_than_stock(family, dtype):
+    model = model_of(family)
+    exact = truth(family)
+    theirs, mine = errors(stock(model, dtype), exact), errors(tree(model, dtype), exact)
+    u = UNIT_ROUNDOFF[dtype]
+    for i, lp in enumerate(exact[1]):
+        bound = 2 * theirs["logprob"][i] + 2 * ulp(lp.abs().max().item(), dtype)
+        assert mine["logprob"][i] <= bound, (
+            f"trajectory {i}: log-prob error {mine['logprob'][i]:.3g} > {bound:.3g} "
+            f"(stock {theirs['logprob'][i]:.3g})"
+        )
+        bound = 2 * theirs["angle"][i] + 4 * u
+        assert mine["angle"][i] <= bound, (
+            f"trajectory {i}: logit angle {mine['angle'][i]:.3g} > {bound:.3g} "
+            f"(stock {theirs['angle'][i]:.3g})"
+        )
+    bound = 2 * theirs["grad"] + 4 * u
+    assert mine["grad"] <= bound, (
+        f"gradient error {mine['grad']:.3g} > {bound:.3g} (stock {theirs['grad']:.3g})"
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1])
+def test_autocast_leaves_fp32_unchanged(family):
+    """Leaving autocast returns harts to its exact fp32 path: the same logits, bit for bit, as
+    before any autocast call (no dtype or cache carried over)."""
+    model = model_of(family)
+    forest = harts.build_forest(TRAJECTORIES)
+    with torch.no_grad():
+        before = harts.forward(model, forest).trajectory_logits(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            harts.forward(model, forest).trajectory_logits(0)
+        after = harts.forward(model, forest).trajectory_logits(0)
+    assert after.dtype == torch.float32
+    assert torch.equal(before, after)
