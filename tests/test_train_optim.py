@@ -124,6 +124,8 @@ def test_bf16_masters_are_an_fp32_adamw_run_on_the_bf16_gradients():
         clipped = optim.take_gradients()
         assert all(p.grad is None for p in named.values())  # moved, not copied
         assert all(torch.equal(m.grad, grads[n]) for n, m in masters.items()) and clipped
+        optim.take_gradients()  # again (as step does): nothing left to take, nothing lost
+        assert all(torch.equal(m.grad, grads[n]) for n, m in masters.items())
         optim.step()
         optim.zero_grad()
         for n, p in reference.items():

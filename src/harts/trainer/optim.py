@@ -140,10 +140,12 @@ class MasterWeights:
         return self.by_name[name]
 
     def take_gradients(self) -> None:
-        """Each parameter's gradient, cast to fp32, into its master; the low-precision one freed."""
+        """Each parameter's gradient, cast to fp32, into its master; the low-precision one freed.
+        A second call finds none left and changes nothing."""
         for p, master in self.pairs:
-            master.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
-            p.grad = None
+            if p.grad is not None:
+                master.grad = p.grad.detach().to(torch.float32)
+                p.grad = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -183,8 +185,8 @@ class Optimizers:
     """AdamW (and Muon) with their schedulers, stepped together; one state dict for checkpoints.
 
     With ``masters`` the optimizers step the fp32 masters: :meth:`take_gradients` moves the
-    model's gradients into them (call it before clipping), :meth:`step` rounds the stepped
-    masters back into the model.
+    model's gradients into them (call it before clipping, so the clip acts on the fp32 ones;
+    :meth:`step` takes any left), :meth:`step` rounds the stepped masters back into the model.
     """
 
     def __init__(
@@ -211,6 +213,8 @@ class Optimizers:
         return self.parameters()
 
     def step(self) -> None:
+        if self.masters is not None:
+            self.masters.take_gradients()  # those not taken yet (an unclipped step)
         for opt in self.optimizers.values():
             opt.step()
         if self.masters is not None:
