@@ -40,6 +40,7 @@ import pytest
 import torch
 
 import harts
+from harts.integrations import batch_step
 from harts.testing import FAMILIES, tiny_config, tiny_model
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
 from tests.reference import exact_linear_kernels, fp64_copy, param_grads
@@ -194,3 +195,36 @@ def test_autocast_leaves_fp32_unchanged(family):
         after = harts.forward(model, forest).trajectory_logits(0)
     assert after.dtype == torch.float32
     assert torch.equal(before, after)
+
+
+BATCH_FAMILIES = [f for f in ("bailing_hybrid", "qwen3_5", "jamba", "gpt_oss") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", BATCH_FAMILIES)
+def test_batch_step_under_autocast_is_the_rollout_step(family):
+    """``batch_step`` under autocast on a right-padded batch runs the same forest as ``rollout_step``:
+    the same loss and gradients, up to fp32 summation order (1e-5 relative), so the comparison with
+    stock above covers it too."""
+    model = model_of(family)
+    width = max(map(len, TRAJECTORIES))
+    ids = torch.zeros(len(TRAJECTORIES), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, t in enumerate(TRAJECTORIES):
+        ids[b, : len(t)], mask[b, : len(t)] = torch.tensor(t), 1
+    response = mask.bool()
+    response[:, 0] = False  # every predicted token, as the SFT sum over whole trajectories
+    config = harts.PolicyLossConfig(kind="sft")
+    results = []
+    for step in ("batch", "rollout"):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if step == "batch":
+                batch = {"input_ids": ids, "attention_mask": mask, "response_mask": response}
+                result = batch_step(model, batch, config, normalizers=SUM, budget_tokens=7)
+            else:
+                rollouts = [harts.Rollout(t) for t in TRAJECTORIES]
+                result = harts.rollout_step(model, rollouts, config, normalizers=SUM, budget_tokens=7)
+        results.append((float(result.loss), param_grads(model)))
+    (loss_b, grads_b), (loss_r, grads_r) = results
+    assert abs(loss_b - loss_r) <= 1e-5 * abs(loss_r)
+    assert global_relative_error(grads_b, {k: g.double() for k, g in grads_r.items()}) <= 1e-5
