@@ -327,3 +327,22 @@ def save_tokenizer(path, template, extra_tokens=()):
     fast.chat_template = template
     fast.save_pretrained(path)
     return path
+
+
+def prompt_response_batch(prompts, responses) -> dict[str, torch.Tensor]:
+    """verl's padded layout of prompt/response pairs: prompts left-padded, responses right-padded,
+    ``input_ids`` and ``attention_mask`` the two side by side, ``position_ids`` counted over the
+    mask, ``response_mask`` the responses' mask (a copy, for tests to edit)."""
+    size, width_p, width_r = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.zeros(size, width_p, dtype=torch.long)
+    response_ids = torch.zeros(size, width_r, dtype=torch.long)
+    prompt_mask, response_mask = torch.zeros_like(prompt_ids), torch.zeros_like(response_ids)
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[b, width_p - len(p) :], prompt_mask[b, width_p - len(p) :] = torch.tensor(p), 1
+        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r), 1
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return {
+        "input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "prompts": prompt_ids,
+        "responses": response_ids, "response_mask": response_mask.clone(),
+    }  # fmt: skip

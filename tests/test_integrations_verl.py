@@ -19,6 +19,7 @@ import torch
 
 from harts.integrations.verl import model_output, register_engine, unregister_engine
 from harts.testing import tiny_model
+from tests.helpers import prompt_response_batch
 from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads
 
 PROMPT = [5, 9, 17, 33, 65, 3, 7]
@@ -119,23 +120,13 @@ def _verl_batch(agg):
     gen = torch.Generator().manual_seed(1)
     prompts = [s[: len(PROMPT)] if i < len(RESPONSES) else s[:3] for i, s in enumerate(SEQUENCES)]
     responses = [s[len(p) :] for p, s in zip(prompts, SEQUENCES, strict=True)]
-    batch, width_p, width_r = len(SEQUENCES), max(map(len, prompts)), max(map(len, responses))
-    prompt_ids, response_ids = (
-        torch.zeros(batch, width_p, dtype=torch.long),
-        torch.zeros(batch, width_r, dtype=torch.long),
-    )
-    prompt_mask, response_mask = torch.zeros_like(prompt_ids), torch.zeros_like(response_ids)
-    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        prompt_ids[b, width_p - len(p) :], prompt_mask[b, width_p - len(p) :] = torch.tensor(p), 1
-        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r), 1
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    loss_mask = response_mask.clone()
+    batch, width_r = len(SEQUENCES), max(map(len, responses))
+    fields = prompt_response_batch(prompts, responses)
+    loss_mask = fields["response_mask"]
     loss_mask[1, 2] = 0  # a tool-output token inside a response
     data = TensorDict(
         {
-            "input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "prompts": prompt_ids,
-            "responses": response_ids, "response_mask": loss_mask,
+            **fields,
             "old_log_probs": -torch.rand(batch, width_r, generator=gen) * 3,
             "advantages": torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8])[:, None].expand(batch, width_r).clone(),
         },

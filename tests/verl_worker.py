@@ -37,6 +37,7 @@ from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
 
 from harts.testing import tiny_model  # noqa: E402
+from tests.helpers import prompt_response_batch  # noqa: E402
 
 TEMPERATURE = 0.7
 # (name, loss_agg_mode, verl's dynamic micro-batching, harts' token budget per micro-batch)
@@ -130,21 +131,13 @@ def batch(rank: int, dynamic: bool) -> TensorDict:
             length = int(torch.randint(2, 7 + 3 * rank, (1,), generator=gen))
             prompts.append(prompt)
             responses.append(torch.randint(3, 128, (length,), generator=gen).tolist())
-    size, width_p, width_r = len(prompts), max(map(len, prompts)), max(map(len, responses))
-    prompt_ids = torch.zeros(size, width_p, dtype=torch.long)
-    response_ids = torch.zeros(size, width_r, dtype=torch.long)
-    prompt_mask, response_mask = torch.zeros_like(prompt_ids), torch.zeros_like(response_ids)
-    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        prompt_ids[b, width_p - len(p) :], prompt_mask[b, width_p - len(p) :] = torch.tensor(p), 1
-        response_ids[b, : len(r)], response_mask[b, : len(r)] = torch.tensor(r), 1
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    loss_mask = response_mask.clone()
+    size, width_r = len(prompts), max(map(len, responses))
+    fields = prompt_response_batch(prompts, responses)
+    loss_mask = fields["response_mask"]
     loss_mask[1, 1] = 0  # a tool-output token inside a response
     data = TensorDict(
         {
-            "input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "prompts": prompt_ids,
-            "responses": response_ids, "response_mask": loss_mask,
+            **fields,
             "old_log_probs": -torch.rand(size, width_r, generator=gen) * 3 - 3,
             "advantages": torch.randn(size, generator=gen)[:, None].expand(size, width_r).clone(),
         },
