@@ -56,8 +56,8 @@ class _TreeStateScan(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_starts, grad_ends):
         # Called inside an autocast region, the adjoint stays in the forward's fp32 all the same.
-        with no_autocast(ctx.saved_tensors[0].device):
-            trans, starts, source = ctx.saved_tensors
+        trans, starts, source = ctx.saved_tensors  # once: checkpointing's saved tensors unpack only once
+        with no_autocast(trans.device):
             r = ctx.r
             grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
             if grad_ends is not None:

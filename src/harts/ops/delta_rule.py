@@ -134,8 +134,8 @@ class _StateScan(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_starts, grad_final):
         # Called inside an autocast region, the adjoint stays in the forward's fp32 all the same.
-        with no_autocast(ctx.saved_tensors[0].device):
-            trans, starts = ctx.saved_tensors
+        trans, starts = ctx.saved_tensors  # once: checkpointing's saved tensors unpack only once
+        with no_autocast(trans.device):
             B, H, n_chunks, K, V = starts.shape
             g = grad_final if grad_final is not None else starts.new_zeros(B, H, K, V)
             grad_trans = torch.empty_like(trans)
