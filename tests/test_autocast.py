@@ -228,3 +228,20 @@ def test_batch_step_under_autocast_is_the_rollout_step(family):
     (loss_b, grads_b), (loss_r, grads_r) = results
     assert abs(loss_b - loss_r) <= 1e-5 * abs(loss_r)
     assert global_relative_error(grads_b, {k: g.double() for k, g in grads_r.items()}) <= 1e-5
+
+
+@pytest.mark.parametrize("family", [f for f in ("qwen3_5", "jamba", "qwen3") if f in FAMILIES])
+def test_fp64_model_ignores_autocast(family):
+    """Autocast leaves fp64 operands alone, and so do harts' ops: an fp64 model under autocast
+    computes exactly what it computes outside it (convolution, recurrence, attention and head)."""
+    model = tiny_model(family, seed=7, dtype=torch.float64)
+    forest = harts.build_forest(TRAJECTORIES)
+    with torch.no_grad():
+        plain = harts.forward(model, forest)
+        expected = [plain.trajectory_logits(0), plain.trajectory_logprobs(0)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = harts.forward(model, forest)
+            got = [out.trajectory_logits(0), out.trajectory_logprobs(0)]
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.float64
+        assert torch.equal(a, b)

@@ -44,7 +44,7 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 
 def _logits(h, weight, bias):
-    low = autocast_dtype(h.device)
+    low = autocast_dtype(h.device, h, weight)
     if low is not None:
         return _autocast_logits(h, weight, bias, low)
     logits = (h @ weight.t()).to(_acc(weight))
@@ -157,7 +157,7 @@ def token_logprobs(
     # form each distinct pair's target logit once, so memory is O(pairs x D), not O(rows x D).
     pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
     pair_pred, pair_target = pairs // weight.shape[0], pairs % weight.shape[0]
-    low = autocast_dtype(hidden.device)
+    low = autocast_dtype(hidden.device, hidden, weight)
     if low is not None:  # the target's logit rounded as the head's matmul under autocast rounds it
         with no_autocast(hidden.device):
             target_logit = (hidden[pair_pred].to(low).float() * weight[pair_target].to(low).float()).sum(-1)

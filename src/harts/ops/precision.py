@@ -27,10 +27,13 @@ import torch
 __all__ = ["autocast_dtype", "no_autocast", "attention_inputs", "autocast_state", "restored_autocast"]
 
 
-def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
-    """The autocast dtype active for ``device``'s type, or None outside autocast."""
+def autocast_dtype(device: torch.device | str, *tensors: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype active for ``device``'s type, or None outside autocast. With ``tensors``,
+    also None when one of them is fp64: autocast leaves fp64 operands alone, and so does harts."""
     kind = torch.device(device).type
     if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return None
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return None
     return torch.get_autocast_dtype(kind)
 
@@ -67,4 +70,4 @@ def attention_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     dtype = autocast_dtype(tensors[0].device)
     if dtype is None:
         return tensors
-    return tuple(t.to(dtype) for t in tensors)
+    return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in tensors)

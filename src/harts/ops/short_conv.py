@@ -39,7 +39,7 @@ def tree_short_conv(
     kernel = weight.shape[-1]
     if predecessors.dim() != 2 or predecessors.shape[1] != kernel:
         raise ValueError(f"predecessors must be [N, K={kernel}], got {tuple(predecessors.shape)}")
-    low = autocast_dtype(x.device)
+    low = autocast_dtype(x.device, x, weight)
     if low is not None:
         return _ACTIVATIONS[activation](_autocast_conv(x, weight, predecessors, bias, low))
     x = x.to(weight.dtype)
