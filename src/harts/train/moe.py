@@ -143,14 +143,13 @@ class MoEObserver(PartObserver):
 
     def whole_step_aux_loss(self, all_reduce_sum: Callable[[Tensor], Tensor]) -> Tensor:
         """The aux loss of every rank's step (detached), from the ranks' sums: call it on every rank
-        once the step is done (one all-reduce of ``2 E + 1`` fp64 numbers)."""
-        prob_sum = self.prob_sum.detach().to(torch.float64)
-        routed, total = (self.routed, self.total) if self.agreed else (None, None)
-        if routed is None:  # not yet the whole step's: sum them with the probabilities
-            both = all_reduce_sum(torch.cat([self.routed, self.total.reshape(1), prob_sum]))
-            routed, total, prob_sum = both[: len(prob_sum)], both[len(prob_sum)], both[len(prob_sum) + 1 :]
-        else:
-            prob_sum = all_reduce_sum(prob_sum)
+        once the step is done (an all-reduce of ``E`` fp64 numbers, and of ``E + 1`` more where
+        the counts were not summed during the step)."""
+        prob_sum = all_reduce_sum(self.prob_sum.detach().to(torch.float64))
+        routed, total = self.routed, self.total
+        if not self.agreed:  # the counts are still this rank's own
+            both = all_reduce_sum(torch.cat([routed, total.reshape(1)]))
+            routed, total = both[:-1], both[-1]
         return aux_loss_from_sums(routed, prob_sum, total).to(self.prob_sum.dtype)
 
     def stats(self) -> MoEStats:
