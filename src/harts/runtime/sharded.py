@@ -25,8 +25,8 @@ are done. Gradients are
 summed, not averaged (harts' losses divide by normalisers of the whole step over all ranks); a
 parameter no rank used keeps ``.grad`` None, as on one process.
 
-The sum is an all-reduce of one unit's flat gradient at a time (one unit's worth of memory), and
-one layer unit is whole at a time. Gathers and sums do not overlap compute yet: starting the next
+The sum is a reduce-scatter of one unit's gradients at a time (one unit's worth of memory; each
+rank receives only its rows, as FSDP2 sums them), and one layer unit is whole at a time. Gathers and sums do not overlap compute yet: starting the next
 unit's gather asynchronously (``unshard(async_op=True)``) while a layer computes made gloo abort a
 rank now and then ("terminate called without an active exception", 2 of about 20 runs), so it
 is left out until it can be checked on NCCL.
@@ -265,32 +265,89 @@ class ShardedStep:
 
     def _reduce(self, unit: _Unit) -> None:
         """Sum the unit's unsharded gradients over the ranks (zeros where this rank has none) and
-        add this rank's shard to each sharded parameter's ``.grad``; the unsharded gradients are freed."""
+        add this rank's shard to each sharded parameter's ``.grad``; the unsharded gradients are freed.
+
+        Sharded parameters go through one reduce-scatter per dtype (each rank receives only its
+        rows, laid out as FSDP2 pads them: every rank's chunk of every parameter padded to the
+        largest chunk); a parameter ``fully_shard`` left replicated is all-reduced whole."""
         from torch.distributed.tensor import DTensor
 
         full = unit.unsharded()
         for i, p in enumerate(full):
             if p.grad is not None:
                 unit.used[i] += 1
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        groups: dict[tuple[bool, torch.dtype], list[int]] = {}
         for i, s in enumerate(unit.sharded):
-            by_dtype.setdefault(_local(s).dtype, []).append(i)
-        for dtype, index in by_dtype.items():
-            grads = [full[i].grad if full[i].grad is not None else torch.zeros_like(full[i]) for i in index]
-            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            for i, piece in zip(index, flat.split([full[i].numel() for i in index]), strict=True):
-                s, whole = unit.sharded[i], piece.view(full[i].shape)
-                if isinstance(s, DTensor):
+            groups.setdefault((isinstance(s, DTensor), _local(s).dtype), []).append(i)
+        for (sharded, dtype), index in groups.items():
+            grads = [(full[i].grad if full[i].grad is not None else torch.zeros_like(full[i])).to(dtype)
+                     for i in index]  # fmt: skip
+            if sharded:
+                pieces = _reduce_scatter(grads, [unit.sharded[i] for i in index])
+            else:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.group)
+                pieces = [p.view(g.shape).clone() for p, g in zip(flat.split([g.numel() for g in grads]), grads,
+                                                                  strict=True)]  # fmt: skip
+            for i, local in zip(index, pieces, strict=True):
+                s = unit.sharded[i]
+                if sharded:
                     # the shard's own device: the CPU under FSDP2's CPUOffloadPolicy
-                    local = _local_shard(whole, s).to(_local(s).device)
-                    new = DTensor.from_local(local.contiguous(), s.device_mesh, s.placements,
-                                             shape=s.shape, stride=s.stride())  # fmt: skip
-                else:  # a parameter fully_shard left replicated keeps the full sum
-                    new = whole.clone()
+                    new = DTensor.from_local(local.to(_local(s).device).contiguous(), s.device_mesh,
+                                             s.placements, shape=s.shape, stride=s.stride())  # fmt: skip
+                else:
+                    new = local
                 s.grad = new if s.grad is None else s.grad + new
         for p in full:
             p.grad = None
+
+
+def _reduce_scatter(grads: list[Tensor], sharded: list) -> list[Tensor]:
+    """Each whole gradient summed over the mesh's ranks, this rank's shard of each returned: one
+    ``reduce_scatter_tensor`` over a buffer holding, rank after rank, every parameter's chunk
+    (``torch.chunk`` along its shard dimension, as FSDP2 splits it) padded to the largest chunk."""
+    mesh = sharded[0].device_mesh
+    group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    dims = [_shard_dim(s) for s in sharded]
+    per_rank: list[list[Tensor]] = [[] for _ in range(world)]
+    padded_shapes = []
+    for g, dim in zip(grads, dims, strict=True):
+        rows = -(-g.shape[dim] // world) if g.shape[dim] else 0
+        chunks = torch.chunk(g, world, dim=dim) if g.shape[dim] else ()
+        shape = list(g.shape)
+        shape[dim] = rows
+        padded_shapes.append(shape)
+        for r in range(world):
+            piece = chunks[r] if r < len(chunks) else g.narrow(dim, 0, 0)
+            if piece.shape[dim] < rows:
+                pad = list(g.shape)
+                pad[dim] = rows - piece.shape[dim]
+                piece = torch.cat([piece, g.new_zeros(pad)], dim=dim)
+            per_rank[r].append(piece.reshape(-1))
+    send = torch.cat([torch.cat(pieces) if pieces else grads[0].new_zeros(0) for pieces in per_rank])
+    mine = send.new_empty(send.numel() // world)
+    dist.reduce_scatter_tensor(mine, send, group=group)
+    del send
+    out = []
+    sizes = [int(torch.Size(s).numel()) for s in padded_shapes]
+    for piece, shape, dim, s in zip(mine.split(sizes), padded_shapes, dims, sharded, strict=True):
+        local_rows = s.to_local().shape[dim]
+        local = piece.view(shape).narrow(dim, 0, local_rows)
+        if tuple(local.shape) != tuple(s.to_local().shape):
+            raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} for a "
+                             f"parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")  # fmt: skip
+        out.append(local.clone())
+    return out
+
+
+def _shard_dim(sharded) -> int:
+    from torch.distributed.tensor import Shard
+
+    placement = sharded.placements[0]
+    if len(sharded.placements) != 1 or not isinstance(placement, Shard):
+        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
+                         f"{sharded.placements}")  # fmt: skip
+    return placement.dim
 
 
 def _collective_device(group) -> torch.device:
@@ -308,22 +365,3 @@ def _backward(pairs: list[tuple[Tensor, Tensor]]) -> None:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if type(t).__name__ == "DTensor" else t
-
-
-def _local_shard(full: Tensor, sharded) -> Tensor:
-    """This rank's piece of ``full`` as FSDP2 shards it (dim-0 chunks of ``torch.chunk``)."""
-    from torch.distributed.tensor import Shard
-
-    placement = sharded.placements[0]
-    if len(sharded.placements) != 1 or not isinstance(placement, Shard):
-        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
-                         f"{sharded.placements}")  # fmt: skip
-    mesh = sharded.device_mesh
-    rank, world = mesh.get_local_rank(), mesh.size()
-    chunks = torch.chunk(full, world, dim=placement.dim)
-    local = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
-    expected = tuple(sharded.to_local().shape)
-    if tuple(local.shape) != expected:
-        raise ValueError(f"unexpected FSDP2 shard shape {expected} for a parameter of shape "
-                         f"{tuple(full.shape)} (expected {tuple(local.shape)})")  # fmt: skip
-    return local
