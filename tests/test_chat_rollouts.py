@@ -153,16 +153,37 @@ GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
         ({"messages": GOOD, "tokens": [1, 2]}, r"fields 'tokens' and 'messages': a line has one or the"),
         ({"messages": GOOD, "reward": float("nan")}, r"field 'reward': NaN"),
         ({"tokens": [1, 2, 3]}, r"field 'tokens': this line is in the tokens form but .*line 1 is in the"),
+        ({"messages": GOOD, "advantage": 0.5},
+         r"field 'advantage': not a field of the chat form, but close to 'advantages', which this line "
+         r"lacks: rename it 'advantages'"),
+        ({"messages": GOOD, "Reward": 1.0}, r"field 'Reward': not a field of the chat form, but close to 'r"),
+        ({"messages": GOOD, "tool": [{"type": "function"}]}, r"field 'tool': not a field of the chat form"),
+        ({"messages": [GOOD[0], {"role": "assistant", "contnet": "hello"}]},
+         r"field 'messages', message 1: key 'contnet' is close to 'content', which the message lacks"),
+        ({"messages": [GOOD[0], {"role": "assistant", "content": None, "tool_call": [{"type": "function"}]}]},
+         r"field 'messages', message 1: key 'tool_call' is close to 'tool_calls'"),
+        ({"messages": [{"Role": "user", "content": "hi"}, GOOD[1]]},
+         r"field 'messages', message 0: key 'Role' is close to 'role'"),
     ],
     ids=["no-role", "unknown-role", "content-int", "tool-content-list", "no-content", "user-tool-calls",
          "not-a-list", "bad-json", "no-assistant", "assistant-first", "advantage-list", "loss-mask",
-         "both-forms", "nan-reward", "mixed-forms"],
+         "both-forms", "nan-reward", "mixed-forms", "near-advantages", "near-reward", "near-tools",
+         "near-content", "near-tool-calls", "near-role"],
 )  # fmt: skip
 def test_bad_chat_lines_name_file_line_and_field(tmp_path, tokenizer_dir, record, match):
     path = _jsonl(tmp_path / "bad.jsonl", [{"messages": GOOD}, json.dumps(record, allow_nan=True)])
     assert len(read_rollouts(_jsonl(tmp_path / "good.jsonl", [{"messages": GOOD}]), tokenizer_dir)) == 1
     with pytest.raises((ValueError, TypeError), match=r"bad.jsonl, line 2, " + match):
         read_rollouts(path, tokenizer=tokenizer_dir)
+
+
+def test_other_chat_fields_and_message_keys_are_kept(tmp_path, tokenizer_dir):
+    """Metadata beside the chat fields, and message keys other than role, content and tool_calls
+    (tool_call_id, name, a near name holding another kind of value), pass as they are."""
+    messages = [GOOD[0], {**GOOD[1], "name": "bot", "tool_call_id": "c1", "contents": 3}]
+    path = _jsonl(tmp_path / "r.jsonl", [{"messages": messages, "agent": "v3", "rewards": {"format": 1}}])
+    (item,) = iter_rollouts(path, tokenizer=tokenizer_dir)
+    assert item.metadata == {"agent": "v3", "rewards": {"format": 1}}
 
 
 def test_consecutive_tool_results_in_one_block(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -105,3 +106,49 @@ def test_steps_keep_groups_whole(tmp_path):
         list(iter_rollout_steps(_jsonl(tmp_path / "s.jsonl", shuffled), rollouts_per_step=2))
     with pytest.raises(ValueError, match="rollouts_per_step"):
         list(iter_rollout_steps(tmp_path / "r.jsonl", 0))
+
+
+NEAR_MISSES = [
+    ("lossmask", [0, 1, 1], "loss_mask"), ("advantage", 1.5, "advantages"),
+    ("loss-mask", [0, 1, 1], "loss_mask"), ("LOSS_MASK", [0, 1, 1], "loss_mask"),
+    ("rewards", 1.0, "reward"), ("group", "g", "group_id"),
+    ("ref_logprob", [0.0, -1.0, -1.0], "ref_logprobs"), ("first_error_pos", 1, "first_error_position"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value", "field"), NEAR_MISSES)
+def test_a_misspelled_field_is_refused_naming_the_field(tmp_path, name, value, field):
+    path = _jsonl(tmp_path / "r.jsonl", [{"tokens": [1, 2, 3]}, {"tokens": [1, 2, 3], name: value}])
+    message = (f"r.jsonl, line 2, field '{name}': not a field of the tokens form, but close to '{field}', "
+               f"which this line lacks: rename it '{field}'")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_rollouts(path)
+    tokens = _jsonl(tmp_path / "t.jsonl", [{"Tokens": [1, 2]}])  # named before "tokens missing"
+    with pytest.raises(ValueError, match="field 'Tokens': not a field of the tokens form, but close to 'tok"):
+        read_rollouts(tokens)
+
+
+def test_metadata_near_a_field_name_but_not_of_its_kind_is_kept(tmp_path):
+    """A near name whose value cannot be the field's, or beside the field itself, is metadata."""
+    record = {"tokens": [1, 2, 3], "n_tokens": 3, "rewards": {"format": 1.0}, "source": "v2",
+              "loss_mask": [0, 1, 1], "lossmask": [0, 0, 1]}  # fmt: skip
+    (item,) = iter_rollouts(_jsonl(tmp_path / "r.jsonl", [record]))
+    assert item.metadata == {"n_tokens": 3, "rewards": {"format": 1.0}, "source": "v2", "lossmask": [0, 0, 1]}
+    assert list(item.rollout.loss_mask) == [0, 1, 1]
+
+
+def test_a_step_mixing_annotations_is_refused(tmp_path):
+    """validate_rollouts would refuse the step; the reader names the two lines before it is built."""
+    records = [{"tokens": [1, 2], "rollout_logprobs": [0.0, -1.0], "group_id": "a"}, {"tokens": [1, 3]}]
+    path = _jsonl(tmp_path / "r.jsonl", records)
+    with pytest.raises(ValueError, match=r"line 2, field 'rollout_logprobs': missing, but .*r.jsonl, line 1, "
+                                         r"in the same step, has it"):  # fmt: skip
+        list(iter_rollout_steps(path, rollouts_per_step=2))
+    assert [len(s) for s in iter_rollout_steps(path, 1)] == [1, 1]  # across steps: fine
+
+
+def test_token_ids_are_checked_against_a_given_vocab_size(tmp_path):
+    path = _jsonl(tmp_path / "r.jsonl", [{"tokens": [1, 2]}, {"tokens": [4, 5]}])
+    with pytest.raises(ValueError, match=r"line 2, position 1: token id 5 is outside the vocabulary"):
+        list(iter_rollouts(path, vocab_size=5))
+    assert len(list(iter_rollouts(path, vocab_size=6))) == 2

@@ -32,6 +32,7 @@ is re-tokenised: for exact log-prob ratios keep the token form).
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Sequence
@@ -41,9 +42,30 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROLES", "ChatTokens", "load_tokenizer", "check_messages", "tokenize_chat"]
+__all__ = ["ROLES", "ChatTokens", "load_tokenizer", "check_messages", "tokenize_chat", "resembles"]
 
 ROLES = ("system", "user", "assistant", "tool")
+# the message keys harts reads; a key this close to one of them (and holding its kind of value) is
+# taken for a misspelling, since the template would ignore it and the message lose its content
+MESSAGE_KEYS = {"role": str, "content": str, "tool_calls": (list, tuple)}
+# keys templates read that are near one of MESSAGE_KEYS but no misspelling of it
+_PASSED_KEYS = {"tool_call_id", "name", "reasoning_content", "thinking"}
+
+# a name this close to a known one (difflib's ratio of the names lowercased without _ - . and spaces)
+# is taken for a misspelling of it, by the chat form's message keys and the rollout files' fields
+NEAR_MISS_CUTOFF = 0.8
+
+
+def resembles(name: str, known) -> str | None:
+    """The name in ``known`` that ``name`` is a near miss of (case, ``_``/``-``, a letter or two), or None."""
+
+    def normalised(text: str) -> str:
+        return re.sub(r"[\s_.\-]", "", text.lower())
+
+    by_norm = {normalised(k): k for k in known}
+    match = difflib.get_close_matches(normalised(name), list(by_norm), n=1, cutoff=NEAR_MISS_CUTOFF)
+    return by_norm[match[0]] if match else None
+
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -113,6 +135,7 @@ def check_messages(messages: Any, where: str = "conversation") -> list[dict]:
             kind = type(message).__name__
             raise TypeError(f"{at}: expected an object with 'role' and 'content', got {kind}")
         message = {k: v for k, v in message.items() if v is not None}
+        _check_keys(at, message)
         role = message.get("role")
         if role is None:
             raise ValueError(f"{at}: 'role' missing")
@@ -132,6 +155,19 @@ def check_messages(messages: Any, where: str = "conversation") -> list[dict]:
             raise TypeError(f"{at}: 'content' must be a string, got {type(content).__name__}")
         checked.append(message)
     return checked
+
+
+def _check_keys(at: str, message: dict) -> None:
+    """Refuse a key named like role, content or tool_calls (which the message lacks) with such a value."""
+    for key, value in message.items():
+        if key in MESSAGE_KEYS or key in _PASSED_KEYS:
+            continue
+        near = resembles(key, MESSAGE_KEYS)
+        if near is not None and near not in message and isinstance(value, MESSAGE_KEYS[near]):
+            raise ValueError(
+                f"{at}: key {key!r} is close to {near!r}, which the message lacks: rename it {near!r} (other "
+                f"keys go to the template as they are, and it would not read this one)"
+            )
 
 
 def _check_tools(where: str, tools: Any) -> list[dict] | None:

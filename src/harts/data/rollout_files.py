@@ -11,15 +11,20 @@ Two forms (docs/rollout_files.md has every field and an example of each):
   or a loaded tokenizer), and the loss mask is true exactly on the assistant turns' tokens.
 
 A file holds one form: its first line or row sets it, and a line of the other form is refused.
-Any other field is free metadata, kept beside the rollout. Every line or row is checked as it is
-read (the same checks as :func:`harts.objectives.validate_rollouts`; with a tokenizer, token ids
-must also lie in its vocabulary), and a bad one raises ValueError (TypeError for wrong kinds)
-naming the file, the line (JSONL, 1-based) or row (Parquet, 0-based) and the field, before any
-compute.
+Any other field is free metadata, kept beside the rollout, unless its name is a near miss of one
+of the form's fields (``lossmask``, ``advantage``, ``Loss-Mask``: :func:`difflib.get_close_matches`
+on the names lowercased without ``_``/``-``) and its value could be that field's: then the field
+would silently take its default, so the line is refused, naming the field it resembles. Every
+line or row is checked as it is read (the same checks as
+:func:`harts.objectives.validate_rollouts`; with a tokenizer or a ``vocab_size``, token ids must
+also lie in the vocabulary), and a bad one raises ValueError (TypeError for wrong kinds) naming
+the file, the line (JSONL, 1-based) or row (Parquet, 0-based) and the field, before any compute.
 
 :func:`iter_rollout_steps` streams a file as the batches of an optimizer step, keeping every group (the
 rollouts of one ``group_id``, which must sit on consecutive lines) whole in one step, since a
-group's advantage baseline needs all of it.
+group's advantage baseline needs all of it, and refusing a step whose rollouts do not carry the
+same annotations (``rollout_logprobs``, ``ref_logprobs``, ``advantages``: all or none), as
+:func:`harts.objectives.validate_rollouts` would at the step, naming the two lines.
 
 What this leaves out: shuffling, and files too large for one pass per epoch (the reads stream,
 but nothing is cached).
@@ -34,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harts.data.chat import load_tokenizer, tokenize_chat
+from harts.data.chat import load_tokenizer, resembles, tokenize_chat
 from harts.objectives.rollout import Rollout, validate_rollouts
 
 __all__ = [
-    "FileRollout", "iter_rollouts", "read_rollouts", "iter_rollout_steps", "ROLLOUT_FIELDS", "CHAT_FIELDS",
+    "FileRollout", "iter_rollouts", "read_rollouts", "iter_rollout_steps", "iter_file_steps",
+    "ROLLOUT_FIELDS", "CHAT_FIELDS", "STEP_ANNOTATIONS",
 ]  # fmt: skip
 
 ROLLOUT_FIELDS = (
@@ -48,6 +54,48 @@ ROLLOUT_FIELDS = (
 # the chat form's fields; the token form's per-position ones and first_error_position have no place there
 CHAT_FIELDS = ("messages", "tools", "advantages", "reward", "group_id")
 _TOKEN_ONLY = tuple(f for f in ROLLOUT_FIELDS if f not in CHAT_FIELDS)
+# the annotations every rollout of a step has, or none has (validate_rollouts refuses a mix)
+STEP_ANNOTATIONS = ("rollout_logprobs", "ref_logprobs", "advantages")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# whether a value could be the field's (a near-miss name with a value of another kind is metadata:
+# "n_tokens": 57 is a count, not the token ids)
+_FITS = {
+    "tokens": lambda v: isinstance(v, (list, tuple)),
+    "loss_mask": lambda v: isinstance(v, (list, tuple)),
+    "rollout_logprobs": lambda v: isinstance(v, (list, tuple)),
+    "ref_logprobs": lambda v: isinstance(v, (list, tuple)),
+    "advantages": lambda v: isinstance(v, (list, tuple)) or _number(v),
+    "reward": _number,
+    "group_id": lambda v: True,
+    "first_error_position": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "messages": lambda v: isinstance(v, (list, tuple, str)),
+    "tools": lambda v: isinstance(v, (list, tuple, str)),
+}
+
+
+def _check_names(where: str, record: dict, form: str, cache: dict) -> None:
+    """Refuse a field named like one of the form's fields (absent from the line) with a value that fits it."""
+    known = CHAT_FIELDS if form == "chat" else ROLLOUT_FIELDS
+    if form == "tokens" and "tokens" not in record:
+        known = (*known, "messages")  # a misspelled 'messages' leaves a line without either
+    for name, value in record.items():
+        if name in known:
+            continue
+        key = (name, known)
+        if key not in cache:
+            cache[key] = resembles(name, known)
+        field = cache[key]
+        if field is not None and field not in record and (value is None or _FITS[field](value)):
+            raise _field_error(
+                where,
+                f"field {name!r}: not a field of the {form} form, but close to {field!r}, which this line "
+                f"lacks: rename it {field!r} (or, if it is metadata, to a name not this close to a field's)",
+            )
 
 
 @dataclass(frozen=True)
@@ -149,7 +197,7 @@ def _rollout(where: str, record: dict, vocab_size: int | None = None) -> FileRol
     return FileRollout(rollout, where, metadata)
 
 
-def _chat_rollout(where: str, record: dict, tokenizer: Any) -> FileRollout:
+def _chat_rollout(where: str, record: dict, tokenizer: Any, vocab_size: int | None = None) -> FileRollout:
     if tokenizer is None:
         raise _field_error(
             where,
@@ -175,25 +223,29 @@ def _chat_rollout(where: str, record: dict, tokenizer: Any) -> FileRollout:
     chat = tokenize_chat(record["messages"], tokenizer, tools=record.get("tools"), where=where)
     rollout = Rollout(tokens=chat.tokens, loss_mask=chat.loss_mask, advantages=advantages, reward=reward,
                       group_id=group)  # fmt: skip
-    _validated(where, rollout, len(tokenizer))
+    _validated(where, rollout, len(tokenizer) if vocab_size is None else vocab_size)
     metadata = {k: v for k, v in record.items() if k not in CHAT_FIELDS}
     return FileRollout(rollout, where, metadata, form="chat", mask_from=chat.mask_from)
 
 
-def iter_rollouts(path: str | Path, tokenizer: Any = None) -> Iterator[FileRollout]:
+def iter_rollouts(
+    path: str | Path, tokenizer: Any = None, vocab_size: int | None = None
+) -> Iterator[FileRollout]:
     """Each rollout of a ``.jsonl`` or ``.parquet`` file, checked as it is read.
 
     ``tokenizer``: a local tokenizer directory (``str`` / ``Path``, loaded once, never downloaded)
     or a loaded tokenizer. The chat form needs it; with it, the token form's ids are also checked
-    against its vocabulary.
+    against its vocabulary. ``vocab_size`` (a model's): token ids of either form must lie below it too.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such rollout file")
     if tokenizer is not None:
         tokenizer = load_tokenizer(tokenizer)
-    vocab_size = None if tokenizer is None else len(tokenizer)
+    if tokenizer is not None:
+        vocab_size = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     first: tuple[str, str] | None = None  # (form, where) of the first line: the file's form
+    names: dict = {}  # (field name, known names) -> the field it resembles, or None
     for where, record in _records(path):
         form = "chat" if record.get("messages") is not None else "tokens"
         if form == "chat" and record.get("tokens") is not None:
@@ -207,8 +259,9 @@ def iter_rollouts(path: str | Path, tokenizer: Any = None) -> Iterator[FileRollo
                 f"field {name!r}: this line is in the {form} form but {first[1]} is in the {first[0]} "
                 f"form; a file holds one form",
             )
+        _check_names(where, record, form, names)
         if form == "chat":
-            yield _chat_rollout(where, record, tokenizer)
+            yield _chat_rollout(where, record, tokenizer, vocab_size)
         else:
             yield _rollout(where, record, vocab_size)
 
@@ -226,15 +279,25 @@ def iter_rollout_steps(
 
     A step closes at the first group boundary once it holds ``rollouts_per_step`` rollouts (the
     last step may hold fewer). A rollout without ``group_id`` is a group of its own. A group
-    whose lines are not consecutive is refused, naming the line where it comes back.
+    whose lines are not consecutive is refused, naming the line where it comes back, and so is a
+    step whose rollouts carry different annotations (:data:`STEP_ANNOTATIONS`), naming two lines.
     ``tokenizer`` as in :func:`iter_rollouts`.
     """
+    for step in iter_file_steps(path, rollouts_per_step, tokenizer):
+        yield [item.rollout for item in step]
+
+
+def iter_file_steps(
+    path: str | Path, rollouts_per_step: int, tokenizer: Any = None, vocab_size: int | None = None
+) -> Iterator[list[FileRollout]]:
+    """:func:`iter_rollout_steps` with each rollout's :class:`FileRollout` (where it is, its metadata);
+    ``vocab_size`` as in :func:`iter_rollouts`."""
     if isinstance(rollouts_per_step, bool) or not isinstance(rollouts_per_step, int) or rollouts_per_step < 1:
         raise ValueError(f"rollouts_per_step must be a positive int, got {rollouts_per_step!r}")
-    step: list[Rollout] = []
+    step: list[FileRollout] = []
     seen: set = set()
     current = object()
-    for item in iter_rollouts(path, tokenizer):
+    for item in iter_rollouts(path, tokenizer, vocab_size):
         group = item.rollout.group_id
         new_group = group is None or group != current
         if new_group and group is not None and group in seen:
@@ -248,6 +311,19 @@ def iter_rollout_steps(
         if group is not None:
             seen.add(group)
         current = group if group is not None else object()
-        step.append(item.rollout)
+        if step:
+            _same_annotations(step[0], item)
+        step.append(item)
     if step:
         yield step
+
+
+def _same_annotations(first: FileRollout, item: FileRollout) -> None:
+    for name in STEP_ANNOTATIONS:
+        has, had = getattr(item.rollout, name) is not None, getattr(first.rollout, name) is not None
+        if has != had:
+            raise ValueError(
+                f"{item.where}, field {name!r}: {'given' if has else 'missing'}, but {first.where}, in the "
+                f"same step, {'has none' if has else 'has it'}: the rollouts of a step carry the same "
+                f"annotations (give {name!r} to every line or to none)"
+            )
