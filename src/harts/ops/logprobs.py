@@ -23,6 +23,14 @@ head runs again in backward, as it would under activation checkpointing in stock
 A sampling temperature T divides the logits: every function here returns the log-probs and
 entropies of ``softmax(logits / T)``, as an inference engine that sampled at T computes them.
 
+Final logit soft-capping (Gemma: ``final_logit_softcapping`` = c) maps the head's logits through
+``c * tanh(logits / c)`` before anything reads them. With ``softcap=c`` every function here applies
+it to each chunk's logits in the stock order (head, divide by c, tanh, multiply by c, in the head's
+output dtype), then the temperature, as a stock user's ``model(...).logits / T`` has them; the
+chunked backward chains d/d logits back through the same maps (``1 - tanh^2``). A plain head's
+temperature is then applied to the capped logits, not folded into the weight (the cap is not
+linear).
+
 Shapes: hidden [U, D], weight [V, D], bias [V] or None, predictor [R] (index into U), target [R].
 """
 
@@ -33,7 +41,9 @@ import torch.utils.checkpoint
 
 from harts.ops.precision import autocast_dtype, autocast_state, no_autocast, restored_autocast
 
-__all__ = ["token_logprobs", "head_token_logprobs", "plain_token_logprobs", "DEFAULT_CHUNK_ROWS"]
+__all__ = [
+    "token_logprobs", "head_token_logprobs", "plain_token_logprobs", "softcap_logits", "DEFAULT_CHUNK_ROWS",
+]  # fmt: skip
 
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -43,40 +53,64 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _logits(h, weight, bias):
+def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in the stock forward's order of ops and in the logits'
+    dtype (``logits`` unchanged for None)."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
+def _head_output(h, weight, bias):
+    """The logits a stock head (``nn.Linear``) returns: in fp32 (fp64 for fp64 weights), or under
+    autocast in its dtype ``low``: inputs, weight and bias rounded to ``low``, sums in fp32, rounded
+    once."""
     low = autocast_dtype(h.device, h, weight)
     if low is not None:
-        return _autocast_logits(h, weight, bias, low)
+        with no_autocast(h.device):
+            logits = h.to(low).float() @ weight.to(low).float().t()
+            if bias is not None:
+                logits = logits + bias.to(low).float()
+            return logits.to(low)
     logits = (h @ weight.t()).to(_acc(weight))
     return logits + bias.to(logits.dtype) if bias is not None else logits
 
 
-def _autocast_logits(h, weight, bias, low: torch.dtype) -> torch.Tensor:
-    """The logits a stock head (``nn.Linear``) returns under autocast, in ``low``: inputs, weight and
-    bias rounded to ``low``, sums in fp32, rounded once; then widened for the fp32 softmax."""
-    with no_autocast(h.device):
-        logits = h.to(low).float() @ weight.to(low).float().t()
-        if bias is not None:
-            logits = logits + bias.to(low).float()
-        return logits.to(low).to(_acc(weight))
+def _logits(h, weight, bias, softcap=None, temperature=1.0, raw=None):
+    """A chunk's logits for the softmax, widened to fp32 (fp64): the head's output (``raw``, when
+    already formed), soft-capped in its dtype when ``softcap``, then divided by ``temperature``
+    (which a plain head without a cap folds into its weight instead, so it is 1 here)."""
+    raw = _head_output(h, weight, bias) if raw is None else raw
+    logits = softcap_logits(raw, softcap).to(_acc(weight))
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _capped_grad(grad, raw, softcap, temperature):
+    """d loss / d head output ``raw`` from d loss / d its capped, tempered logits: the stock autograd
+    chain of ``tanh(raw / c) * c / T`` (divide by T, times c, times 1 - tanh^2, divide by c)."""
+    if temperature != 1.0:
+        grad = grad / temperature
+    t = torch.tanh(raw / softcap).to(grad.dtype)  # in the head's dtype, as the forward had it
+    return grad * softcap * (1 - t * t) / softcap
 
 
 class _LseEntropy(torch.autograd.Function):
     """(lse [U], entropy [U]) of the logits ``hidden @ weight.T + bias`` in row chunks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, chunk):
+    def forward(ctx, hidden, weight, bias, chunk, softcap=None, temperature=1.0):
         u = hidden.shape[0]
         lse = torch.empty(u, dtype=_acc(weight), device=hidden.device)
         entropy = torch.empty(u, dtype=_acc(weight), device=hidden.device)
         for s in range(0, u, chunk):
-            logits = _logits(hidden[s : s + chunk], weight, bias)
+            logits = _logits(hidden[s : s + chunk], weight, bias, softcap, temperature)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             logp = logits - chunk_lse[:, None]
             lse[s : s + chunk] = chunk_lse
             entropy[s : s + chunk] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, entropy)
         ctx.chunk, ctx.autocast = chunk, autocast_state(hidden.device)
+        ctx.softcap, ctx.temperature = softcap, temperature
         return lse, entropy
 
     @staticmethod
@@ -87,7 +121,7 @@ class _LseEntropy(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_lse, grad_entropy):
         hidden, weight, bias, entropy = ctx.saved_tensors
-        chunk = ctx.chunk
+        chunk, softcap, temperature = ctx.chunk, ctx.softcap, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         acc = _acc(weight)
@@ -99,11 +133,14 @@ class _LseEntropy(torch.autograd.Function):
             grad_entropy = torch.zeros_like(entropy)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            logp = torch.log_softmax(_logits(h, weight, bias), dim=-1)
+            raw = _head_output(h, weight, bias)
+            logp = torch.log_softmax(_logits(h, weight, bias, softcap, temperature, raw), dim=-1)
             p = logp.exp()
             gl = grad_lse[s : s + chunk, None].to(acc)
             ge = grad_entropy[s : s + chunk, None].to(acc)
             grad_logits = p * (gl - ge * (logp + entropy[s : s + chunk, None]))
+            if softcap is not None:
+                grad_logits = _capped_grad(grad_logits, raw, softcap, temperature)
             if need_h:
                 grad_hidden[s : s + chunk] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
@@ -114,6 +151,8 @@ class _LseEntropy(torch.autograd.Function):
             grad_hidden,
             grad_weight.to(weight.dtype) if need_w else None,
             grad_bias.to(bias.dtype) if need_b else None,
+            None,
+            None,
             None,
         )
 
@@ -136,6 +175,15 @@ def _check_temperature(temperature: float) -> float:
     return t
 
 
+def _check_softcap(softcap: float | None) -> float | None:
+    if softcap is None:
+        return None
+    c = float(softcap)
+    if not c > 0 or c == float("inf"):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    return c
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -144,15 +192,20 @@ def token_logprobs(
     bias: torch.Tensor | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (logprob [R], entropy [R]) in fp32 (fp64 for fp64 weights), differentiable in all inputs."""
+    """Return (logprob [R], entropy [R]) in fp32 (fp64 for fp64 weights), differentiable in all inputs.
+
+    ``softcap`` c: of the logits ``c * tanh((h . W + b) / c)`` (then divided by ``temperature``)."""
     _check(hidden, predictor, target, chunk_rows)
-    if _check_temperature(temperature) != 1.0:
+    temperature, softcap = _check_temperature(temperature), _check_softcap(softcap)
+    if softcap is None and temperature != 1.0:
         # logits / T == h . (W / T) + b / T: the same chunked path on a scaled head
         weight = weight / temperature
         bias = bias / temperature if bias is not None else None
+        temperature = 1.0
     predictor, target = predictor.long(), target.long()
-    lse, entropy = _LseEntropy.apply(hidden, weight, bias, chunk_rows)
+    lse, entropy = _LseEntropy.apply(hidden, weight, bias, chunk_rows, softcap, temperature)
     # Rows of a shared token repeat one (predictor, target) pair once per trajectory through it:
     # form each distinct pair's target logit once, so memory is O(pairs x D), not O(rows x D).
     pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
@@ -163,17 +216,20 @@ def token_logprobs(
             target_logit = (hidden[pair_pred].to(low).float() * weight[pair_target].to(low).float()).sum(-1)
             if bias is not None:
                 target_logit = target_logit + bias[pair_target].to(low).float()
-            target_logit = target_logit.to(low).to(lse.dtype)
+            target_logit = softcap_logits(target_logit.to(low), softcap).to(lse.dtype)
     else:
         target_logit = (hidden[pair_pred] * weight[pair_target]).sum(-1).to(lse.dtype)
         if bias is not None:
             target_logit = target_logit + bias[pair_target].to(lse.dtype)
+        target_logit = softcap_logits(target_logit, softcap)
+    if temperature != 1.0:
+        target_logit = target_logit / temperature
     return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 
-def _head_chunk(head, h, predictor, target, temperature):
+def _head_chunk(head, h, predictor, target, temperature, softcap=None):
     """(logprob of each row, entropy of each predictor) of one chunk: [r], [u]."""
-    logits = head(h[None])[0]  # the head sees [1, n, D], as in the stock forward
+    logits = softcap_logits(head(h[None])[0], softcap)  # the head sees [1, n, D], as in the stock forward
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
@@ -187,10 +243,12 @@ def head_token_logprobs(
     target: torch.Tensor,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob [R], entropy [R]) through ``head`` called as a module, ``chunk_rows`` predictors at a time."""
+    """(logprob [R], entropy [R]) through ``head`` called as a module, ``chunk_rows`` predictors at a
+    time; ``softcap``: the head's output soft-capped first."""
     _check(hidden, predictor, target, chunk_rows)
-    temperature = _check_temperature(temperature)
+    temperature, softcap = _check_temperature(temperature), _check_softcap(softcap)
     predictor, target = predictor.long(), target.long()
     if hidden.shape[0] == 0:
         empty = torch.empty(0, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
@@ -202,7 +260,7 @@ def head_token_logprobs(
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
     for c, s in enumerate(range(0, hidden.shape[0], chunk_rows)):
         rows = order[bounds[c] : bounds[c + 1]]
-        args = (head, hidden[s : s + chunk_rows], predictor[rows] - s, target[rows], temperature)
+        args = (head, hidden[s : s + chunk_rows], predictor[rows] - s, target[rows], temperature, softcap)
         if grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -218,9 +276,10 @@ def _params(module):
     return module.parameters() if hasattr(module, "parameters") else ()
 
 
-def plain_token_logprobs(hidden, weight, predictor, target, bias=None, temperature: float = 1.0):
+def plain_token_logprobs(hidden, weight, predictor, target, bias=None, temperature: float = 1.0,
+                         softcap: float | None = None):
     """Reference for :func:`token_logprobs`: full logits, plain autograd."""
     _check(hidden, predictor, target)
-    logp = torch.log_softmax(_logits(hidden, weight, bias) / temperature, dim=-1)
+    logp = torch.log_softmax(_logits(hidden, weight, bias, softcap) / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp[predictor.long(), target.long()], entropy[predictor.long()]
