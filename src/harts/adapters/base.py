@@ -39,6 +39,7 @@ __all__ = [
     "adapter_for_type",
     "FamilyUnavailable",
     "hf_function",
+    "logit_softcap",
 ]
 
 
@@ -95,6 +96,10 @@ class FamilyAdapter:
     router_class: str | None = None
     moe_balancing: MoEBalancing | None = None
     sliding_windows: bool = False  # the adapter runs sliding-window layers (along paths)
+    # the family's stock forward soft-caps its logits after lm_head by config.final_logit_softcapping
+    # (c * tanh(logits / c)), and harts' head readers apply it (harts.ops.logprobs ``softcap``);
+    # elsewhere a set final_logit_softcapping is refused
+    final_logit_softcapping: bool = False
     modeling_package: dict[str, str] = {}  # model type -> transformers.models package, where they differ
     # model type -> (oldest transformers version, why older ones are refused): where the stock
     # modeling code of older versions is itself wrong, so no exact equivalent exists
@@ -103,6 +108,11 @@ class FamilyAdapter:
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
         every family shares, :func:`check_common_config`)."""
+
+    def logit_softcap(self, config) -> float | None:
+        """The soft-cap c the stock forward applies to the head's logits, ``c * tanh(logits / c)``,
+        or None (no cap, or a family that applies none)."""
+        return getattr(config, "final_logit_softcapping", None) if self.final_logit_softcapping else None
 
     def check_model(self, model: nn.Module) -> None:
         """Raise ValueError when the loaded model lacks a module or attribute the adapter relies on
@@ -265,7 +275,8 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"got {type(model).__name__}"
         )
     adapter = _REGISTRY[model_type]
-    check_common_config(config, sliding_windows=adapter.sliding_windows)
+    check_common_config(config, sliding_windows=adapter.sliding_windows,
+                        final_logit_softcapping=adapter.final_logit_softcapping)  # fmt: skip
     adapter.check_config(config)
     adapter.check_model(model)
     return adapter
@@ -276,10 +287,17 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
-def check_common_config(config, sliding_windows: bool = False) -> None:
+def logit_softcap(model: nn.Module) -> float | None:
+    """The final logit soft-cap of a supported ``model`` (:meth:`FamilyAdapter.logit_softcap`): what
+    every reader of its head applies to the logits before the temperature."""
+    config = model.config
+    return adapter_for_type(config.model_type).logit_softcap(config)
+
+
+def check_common_config(config, sliding_windows: bool = False, final_logit_softcapping: bool = False) -> None:
     """Options no family runs exactly over a forest: length-dependent rotary scaling, unknown rotary
-    types, logit soft-capping; sliding windows unless the family's adapter runs them. One line
-    naming the option."""
+    types; sliding windows and final logit soft-capping unless the family's adapter runs them. One
+    line naming the option."""
     family = config.model_type
     if not sliding_windows and (getattr(config, "use_sliding_window", False) or "sliding_attention" in (
         getattr(config, "layer_types", None) or []
@@ -298,8 +316,12 @@ def check_common_config(config, sliding_windows: bool = False) -> None:
             raise ValueError(
                 f"{family}: unknown rope_type {rope_type!r}; harts runs {', '.join(STATIC_ROPE_TYPES)}"
             )
-    if getattr(config, "final_logit_softcapping", None):
-        raise ValueError(f"{family}: final_logit_softcapping is applied outside lm_head; not supported")
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None and not final_logit_softcapping:
+        raise ValueError(
+            f"{family}: final_logit_softcapping={softcap} (a tanh on the logits after lm_head) is not "
+            f"applied by harts for this family; set it to None"
+        )
 
 
 def hf_function(module: nn.Module, name: str):
