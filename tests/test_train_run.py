@@ -144,7 +144,9 @@ def test_changed_data_is_refused_on_resume(short_run, tmp_path, capsys):
     )
     shutil.copytree(out, tmp_path / "out")
     assert _train(changed, tmp_path / "out", "--resume") == 2
-    assert "changed since step-000003 was written (its sha256 differs)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "changed since step-000003 was written (sha256 " in err and "37 -> 37 rollouts (lines)" in err
+    assert "pass --accept-changed-data to continue from step-000003's position on the changed file" in err
 
 
 def test_a_resume_with_other_parameter_groups_is_refused(short_run, tmp_path, capsys):

@@ -1,4 +1,9 @@
-"""``harts train CONFIG.toml [--out DIR] [--resume]``: a training run from a config file.
+"""``harts train CONFIG.toml [--out DIR] [--resume] [--accept-changed-data]``: a run from a config file.
+
+The whole rollout file is checked before the model loads (every line, against the model's vocabulary
+and the objective's fields); a resume on a rollout file that changed since the checkpoint is refused
+unless ``--accept-changed-data`` is given, which continues from the checkpoint's position on the
+changed file and prints what changed.
 
 Exit status: 0 when the run is done; 2 for bad input (config, data, a refused checkpoint: one
 line on stderr, the traceback under ``harts --debug``); 1 when a step's loss or gradient is not
@@ -39,7 +44,7 @@ def _on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(
         prog="harts train",
-        usage="harts train CONFIG.toml [--out DIR] [--resume]",
+        usage="harts train CONFIG.toml [--out DIR] [--resume] [--accept-changed-data]",
         description="Train a causal LM on a rollout file, every shared prefix token computed once.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,7 +54,12 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "runs/<config name>)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
                         "in DIR (verified first; starts from step 0 when there is none)")  # fmt: skip
+    parser.add_argument("--accept-changed-data", action="store_true", help="with --resume: continue from "
+                        "the checkpoint's step on a rollout file that changed since it was written (what "
+                        "changed is printed; the run then differs from an uninterrupted one)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.accept_changed_data and not args.resume:
+        parser.error("--accept-changed-data goes with --resume (it lets a resume continue on a changed file)")
 
     from harts.trainer.config import load_config
     from harts.trainer.distributed import RankFailure
@@ -60,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     handle = _main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
     try:
-        return train(config, out, resume=args.resume)
+        return train(config, out, resume=args.resume, accept_changed_data=args.accept_changed_data)
     except _Terminated:
         raise SystemExit(143) from None
     except KeyboardInterrupt:

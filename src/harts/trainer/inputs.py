@@ -4,9 +4,13 @@ Why each piece is here:
 
 - the model is built the same way on a fresh start and on resume (same dtype, same stock
   ``from_pretrained`` path, same modes), so a resumed run computes with the same modules;
+- the data are checked whole before the model loads (:func:`check_data`: every line against the
+  model's vocabulary and the objective's needs, every step's annotations), so a bad last line
+  stops the run before its first step, not at the step that reads it;
 - the data are streamed in file order, epoch after epoch, and a position (epoch, index of the
   next step in it) is enough to continue exactly where a run stopped; the file's sha256 is kept
-  so a resume on a changed file is refused instead of silently training on other data;
+  so a resume on a changed file is refused instead of silently training on other data (or, when
+  asked, continues from the position on the changed file, saying what changed: :func:`data_change`);
 - the random states (Python, NumPy, torch, CUDA) are saved and restored whole, so anything in
   the step that draws random numbers draws the same ones after a resume.
 """
@@ -24,15 +28,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harts.data.rollout_files import iter_rollout_steps
+from harts.data.rollout_files import iter_file_steps, iter_rollout_steps
+from harts.objectives.advantages import AdvantageEstimator
+from harts.objectives.losses import LossKind
 from harts.objectives.rollout import Rollout
-from harts.testing import tiny_model
-from harts.trainer.config import DataConfig, ModelConfig
+from harts.testing import tiny_config, tiny_model
+from harts.trainer.config import DataConfig, ModelConfig, ObjectiveConfig
 
 __all__ = [
     "Position", "load_model", "own_memory", "rollout_steps", "count_steps", "data_stream", "fingerprint",
-    "rng_state", "set_rng_state", "seed_everything",
+    "rng_state", "set_rng_state", "seed_everything", "DataCheck", "check_data", "model_vocab_size",
+    "check_embedding", "data_change", "ACCEPT_CHANGED_DATA",
 ]  # fmt: skip
+
+#: the ``harts train`` flag that resumes on a changed rollout file
+ACCEPT_CHANGED_DATA = "--accept-changed-data"
 
 
 @dataclass
@@ -59,6 +69,13 @@ class Position:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def fit(self, steps_per_epoch: int) -> bool:
+        """Move a position past the end of an epoch (a file that got shorter) to the next epoch's start."""
+        if self.index < steps_per_epoch:
+            return False
+        self.epoch, self.index = self.epoch + 1, 0
+        return True
 
 
 @contextlib.contextmanager
@@ -123,13 +140,141 @@ def rollout_steps(data: DataConfig) -> Iterator[list[Rollout]]:
 
 def count_steps(data: DataConfig) -> tuple[int, int]:
     """(optimizer steps, rollouts) in one pass over the file; reading it checks every line first."""
+    check = check_data(data)
+    return check.steps, check.rollouts
+
+
+@dataclass(frozen=True)
+class DataCheck:
+    """What one checking pass over the rollout file found (:func:`check_data`)."""
+
+    steps: int  # optimizer steps per epoch
+    rollouts: int
+    form: str  # "tokens" or "chat"
+    extra_fields: dict  # field that is no rollout field -> (lines that have it, where it first is)
+    max_token: tuple[int, str]  # the largest token id, and where it is ("file, line N, position P")
+
+    def extra_fields_line(self, path: Path) -> str | None:
+        """One line naming the fields harts does not read, or None when there are none."""
+        if not self.extra_fields:
+            return None
+        listed = ", ".join(
+            f"{name!r} ({count} line{'s' if count > 1 else ''}, first {where.rsplit(', ', 1)[-1]})"
+            for name, (count, where) in self.extra_fields.items()
+        )
+        return f"{path.name}: fields that are not rollout fields, kept as metadata, not trained on: {listed}"
+
+
+def model_vocab_size(config: ModelConfig) -> int | None:
+    """The vocabulary size of the model ``config`` names, read from its config (the model is not loaded)."""
+    if config.tiny is not None:
+        hf = tiny_config(config.tiny)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(config.path, local_files_only=True)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+            raise ValueError(f"model.path: {config.path}: its config.json does not load ({exc})") from None
+    size = getattr(hf, "vocab_size", None)
+    if size is None and hasattr(hf, "get_text_config"):
+        size = getattr(hf.get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _needs(objective: ObjectiveConfig) -> list[tuple[str, bool, str]]:
+    """(field, whether a line must have it (else: must not), why) for what ``objective`` reads."""
+    loss = objective.loss_config()
+    kind, estimator = loss.kind.value, objective.advantage
+    needs = []
+    if estimator is not None:
+        why = f"objective.advantage = {estimator!r} estimates the advantages, but this line has its own"
+        needs.append(("advantages", False, f"{why}: remove one of them"))
+        if AdvantageEstimator(estimator) is not AdvantageEstimator.PITFALL:
+            needs.append(("reward", True, f"objective.advantage = {estimator!r} reads each rollout's reward"))
+    elif loss.kind is not LossKind.SFT:
+        estimators = ", ".join(a.value for a in AdvantageEstimator)
+        needs.append(("advantages", True, f"objective.kind = {kind!r} needs advantages: give every line "
+                                          f"'advantages', or set objective.advantage ({estimators}) to "
+                                          f"estimate them from rewards"))  # fmt: skip
+    if loss.kind is not LossKind.SFT:
+        needs.append(("rollout_logprobs", True, f"objective.kind = {kind!r} needs the sampler's log-probs"))
+    if loss.kl_coef > 0:
+        needs.append(("ref_logprobs", True, f"objective.kl_coef = {loss.kl_coef} needs reference log-probs"))
+    return needs
+
+
+_CHAT_LOGPROBS = (" (the chat form has none, its text being tokenised anew: train chat files with "
+                  "objective.kind = 'sft', or log the token form)")  # fmt: skip
+
+
+def check_data(
+    data: DataConfig, objective: ObjectiveConfig | None = None, vocab_size: int | None = None
+) -> DataCheck:
+    """One pass over the rollout file that checks all of it before any compute, one step in memory.
+
+    Every line as :func:`harts.iter_rollout_steps` reads it (its fields, misspelled names, lengths,
+    NaN/inf, log-probs, groups on consecutive lines, the same annotations within each step) with
+    token ids below ``vocab_size`` (the model's), and, given ``objective``, the fields it needs on
+    every line (advantages or rewards unless SFT, ``rollout_logprobs`` for PPO and GSPO,
+    ``ref_logprobs`` for a KL term). A ValueError names the file, the line and the step.
+    """
+    tokenizer = None if data.tokenizer is None else str(data.tokenizer)
+    needs = _needs(objective) if objective is not None else []
     steps = rollouts = 0
-    for batch in rollout_steps(data):
-        steps += 1
+    form = "tokens"
+    extra: dict[str, tuple[int, str]] = {}
+    top = (-1, "")
+    batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size)
+    for steps, batch in enumerate(batches, 1):
         rollouts += len(batch)
+        for item in batch:
+            form = item.form
+            for field, wanted, why in needs:
+                value = getattr(item.rollout, field)
+                if (value is not None) != wanted:
+                    state = "missing" if wanted else "given"
+                    if field == "rollout_logprobs" and item.form == "chat":
+                        why += _CHAT_LOGPROBS
+                    raise ValueError(f"{item.where} (step {steps}), field {field!r}: {state}: {why}")
+            for name in item.metadata:
+                count, where = extra.get(name, (0, item.where))
+                extra[name] = (count + 1, where)
+            tokens = np.asarray(item.rollout.tokens)
+            if tokens.size and int(tokens.max()) > top[0]:
+                top = (int(tokens.max()), f"{item.where}, position {int(tokens.argmax())}")
     if steps == 0:
         raise ValueError(f"data.path: {data.path} holds no rollouts")
-    return steps, rollouts
+    return DataCheck(steps, rollouts, form, extra, top)
+
+
+def check_embedding(model: torch.nn.Module, check: DataCheck) -> None:
+    """Refuse data whose largest token id has no row in the loaded model's input embedding."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    token, where = check.max_token
+    if isinstance(rows, int) and token >= rows:
+        raise ValueError(f"{where}: token id {token} is outside the model's input embedding ({rows} rows)")
+
+
+def data_change(saved: dict, now: dict, checkpoint: str, path: Path, accept: bool) -> str | None:
+    """None when the file is the one ``checkpoint`` was written on; else what changed (old -> new
+    sha256, size, rollouts, steps per epoch), raised as a ValueError unless ``accept``."""
+    if saved.get("sha256") == now["sha256"]:
+        return None
+
+    def pair(key: str, unit: str) -> str:
+        before = saved.get(key)
+        return f"{'?' if before is None else f'{before:,}'} -> {now[key]:,} {unit}"
+
+    what = (f"sha256 {saved.get('sha256')} -> {now['sha256']}, {pair('size', 'bytes')}, "
+            f"{pair('rollouts', 'rollouts (lines)')}, "
+            f"{pair('steps_per_epoch', 'steps per epoch')}")  # fmt: skip
+    if not accept:
+        raise ValueError(f"{path} changed since {checkpoint} was written ({what}): an exact resume needs the "
+                         f"same data; pass {ACCEPT_CHANGED_DATA} to continue from {checkpoint}'s position on "
+                         f"the changed file")  # fmt: skip
+    return f"{path.name} changed since {checkpoint} was written: {what}"
 
 
 def data_stream(data: DataConfig, epoch: int, index: int) -> Iterator[tuple[int, int, list[Rollout]]]:

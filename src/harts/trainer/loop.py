@@ -59,10 +59,13 @@ from harts.trainer.distributed import (
 )
 from harts.trainer.inputs import (
     Position,
-    count_steps,
+    check_data,
+    check_embedding,
+    data_change,
     data_stream,
     fingerprint,
     load_model,
+    model_vocab_size,
     quiet_transformers,
     rng_state,
     seed_everything,
@@ -228,8 +231,9 @@ def _flatten(table: dict, prefix: str = "") -> dict:
 class _Run:
     """The state of one ``train`` call (model, optimizers, position), with its save and restore."""
 
-    def __init__(self, config: TrainConfig, out: Path, log: TextIO):
+    def __init__(self, config: TrainConfig, out: Path, log: TextIO, accept_changed_data: bool = False):
         self.config, self.out, self.log = config, out, log
+        self.accept_changed_data, self.data_changed = accept_changed_data, False
         self.root = out / "checkpoints"
         d = config.distributed
         self.ranks = start_ranks(d.strategy, d.balance, d.timeout_s, config.model.device)
@@ -245,9 +249,12 @@ class _Run:
 
     def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
-        self.steps_per_epoch, rollouts_per_epoch = count_steps(config.data)
+        # the whole file checked (the model's vocabulary, the objective's fields) before anything runs
+        self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model))
+        self.steps_per_epoch, rollouts_per_epoch = self.data_check.steps, self.data_check.rollouts
         self.total = config.steps or (config.epochs or 1) * self.steps_per_epoch
-        self.data_print = fingerprint(config.data.path)
+        self.data_print = {**fingerprint(config.data.path), "rollouts": rollouts_per_epoch,
+                           "steps_per_epoch": self.steps_per_epoch}  # fmt: skip
         start = None
         if resume:
             start = latest(self.root)  # verified before anything of it is read
@@ -262,6 +269,7 @@ class _Run:
             self._check_resume(start, state)
         seed_everything(config.seed)
         self.model = load_model(config.model, config.seed, start.path if start else None)
+        check_embedding(self.model, self.data_check)
         frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
         self.wrapped = self.model
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
@@ -298,6 +306,9 @@ class _Run:
                 self.optim.load_state_dict(trainer["optimizers"])
             set_rng_state(trainer["rng"])
             self.position = Position(**state["position"])
+            if self.data_changed and self.position.fit(self.steps_per_epoch):
+                self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
+                         f"start of epoch {self.position.epoch}")  # fmt: skip
         params = sum(p.numel() for p in self.model.parameters())
         name = f"tiny {config.model.tiny}" if config.model.tiny else str(config.model.path)
         threads = torch.get_num_threads()
@@ -309,12 +320,17 @@ class _Run:
                  f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
         self.say(f"data {config.data.path.name}: {rollouts_per_epoch} rollouts, {self.steps_per_epoch} "
                  f"steps per epoch; {self.total} steps; out {self.out}")  # fmt: skip
+        if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
+            self.say(f"warning: {fields}")
         return start
 
     def _check_resume(self, start: Checkpoint, state: dict) -> None:
-        if state["data"]["sha256"] != self.data_print["sha256"]:
-            raise ValueError(f"{self.config.data.path} changed since {start.path.name} was written (its "
-                             f"sha256 differs): an exact resume needs the same data")  # fmt: skip
+        change = data_change(state["data"], self.data_print, start.path.name, self.config.data.path,
+                             self.accept_changed_data)  # fmt: skip
+        if change is not None:
+            self.data_changed = True
+            self.say(f"{change}; continuing from its position on the changed file (not the run an "
+                     f"uninterrupted one would give)")  # fmt: skip
         if state["position"]["step"] > self.total:
             raise ValueError(f"{start.path.name} is past the run's {self.total} steps: raise steps or epochs")
         world = self.ranks.world_size if self.ranks is not None else 1
@@ -400,10 +416,12 @@ class _Run:
         return result, forest, grad_norm, lrs
 
 
-def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextIO | None = None) -> dict:
+def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextIO | None = None,
+          accept_changed_data: bool = False) -> dict:  # fmt: skip
     """Run ``config`` into ``out`` (``resume``: from its newest checkpoint); returns a summary.
 
-    Progress goes to ``log`` (default: stderr).
+    Progress goes to ``log`` (default: stderr). ``accept_changed_data``: a resume on a rollout file
+    other than the checkpoint's continues from the checkpoint's position, saying what changed.
 
     Raises ValueError for bad input (before any step when it can be seen then), CheckpointError
     for a checkpoint that fails verification, :class:`TrainingDiverged` for a non-finite step;
@@ -414,7 +432,7 @@ def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextI
     threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
-    run = _Run(config, out, sys.stderr if log is None else log)
+    run = _Run(config, out, sys.stderr if log is None else log, accept_changed_data)
     try:
         with run_lock(out, "harts train") if run.main else contextlib.nullcontext():
             return _loop(run, resume)
