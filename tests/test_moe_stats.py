@@ -5,10 +5,11 @@ The forest runs each unique token once and weights it by its multiplicity; the f
 the stock model and reads the same router outputs through the same hooks (and, for the aux
 loss, the stock ``output_router_logits=True`` path with the stock ``load_balancing_loss_func``).
 
-- Expert counts (bailing_hybrid, kimi_linear, qwen3_next): exactly equal integers, also equal
-  to counting, in plain loops, the experts of each trajectory run alone.
-- qwen3_next aux loss: value within 1e-5 relative of the stock one; gradient with respect to
-  every parameter (router weights included) within 1e-4 relative of the stock fp64 gradient.
+- Expert counts (bailing_hybrid, kimi_linear, qwen3_next, qwen3_5_moe): exactly equal integers,
+  also equal to counting, in plain loops, the experts of each trajectory run alone.
+- qwen3_next and qwen3_5_moe aux loss: value within 1e-5 relative of the stock one; gradient with
+  respect to every parameter (router weights included) within 1e-4 relative of the stock fp64
+  gradient.
 - The one step (``rollout_step``) under token budgets down to 1: the same counts (exact), aux
   loss, loss and gradients as without a budget.
 """
@@ -33,7 +34,9 @@ from tests.reference import (
     param_grads,
 )
 
-MOE_FAMILIES = ("bailing_hybrid", "kimi_linear", "qwen3_next")
+MOE_FAMILIES = [f for f in ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3_5_moe")
+                if f in supported_families()]  # fmt: skip
+HYBRID_AUX = ("qwen3_next", "qwen3_5_moe")  # the hybrid families trained with the Switch aux loss
 AUX_RTOL = 1e-5
 
 
@@ -89,12 +92,12 @@ def test_expert_counts_equal_flat_batch(family, shape):
     top_k = model.config.num_experts_per_tok
     assert int(tree.tokens) == forest.num_flat_tokens == int(flat.tokens)
     assert tree.expert_counts.sum(1).tolist() == [top_k * forest.num_flat_tokens] * len(rec.layers)
-    assert (tree.aux_loss is not None) == (family == "qwen3_next")
+    assert (tree.aux_loss is not None) == (family in HYBRID_AUX)
 
 
-# aux-loss families: qwen3_next on every forest, the full-attention ones on one
+# aux-loss families: qwen3_next on every forest, qwen3_5_moe and the full-attention ones on one
 AUX_CASES = [("qwen3_next", shape) for shape in MOE_FORESTS] + [
-    (family, "star-dups-P8-G6") for family in ("qwen3_moe", "gpt_oss")
+    (family, "star-dups-P8-G6") for family in ("qwen3_5_moe", "qwen3_moe", "gpt_oss")
 ]
 
 
@@ -184,7 +187,7 @@ def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
     P against the step's f, gives the same value and gradients as one pass."""
     model, trajs = model_of(family), MOE_FORESTS["nested-branches-2roots"]
     config = PolicyLossConfig(kind=LossKind.PPO)
-    moe = MoEConfig(aux_loss_coef=0.05 if family == "qwen3_next" else None)
+    moe = MoEConfig(aux_loss_coef=0.05 if family in HYBRID_AUX else None)
     runs = []
     for b in (None, budget):
         model.zero_grad(set_to_none=True)
@@ -195,7 +198,7 @@ def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
     assert torch.equal(cut.moe.expert_counts, whole.moe.expert_counts)
     assert int(cut.moe.tokens) == int(whole.moe.tokens) == sum(len(t) for t in trajs)
     assert cut.moe.layers == whole.moe.layers
-    if family == "qwen3_next":
+    if family in HYBRID_AUX:
         aux = float(whole.moe.aux_loss)
         assert abs(float(cut.moe.aux_loss) - aux) <= AUX_RTOL * aux
         assert float(cut.metrics["moe_aux_loss"]) == float(cut.moe.aux_loss)

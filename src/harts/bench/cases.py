@@ -68,6 +68,8 @@ _SMALL_EXTRA = {
     "qwen2": dict(), "mistral": dict(head_dim=32), "olmo3": dict(),
     "gemma3_text": dict(head_dim=32), "gpt_oss": dict(head_dim=32),
     "qwen3_5": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+    "qwen3_5_moe": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=64),
     "lfm2": dict(), "minimax": dict(head_dim=32),
 }
 
