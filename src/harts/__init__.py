@@ -33,12 +33,14 @@ from harts.objectives import (
 from harts.plan.micro_batches import MicroBatchPlan, Part, plan_micro_batches
 from harts.plan.waves import LinearCostModel, PlanMode
 from harts.runtime import (
+    ForestLogprobs,
     PartObserver,
     RouterRecorder,
     RunConfig,
     StepResult,
     TreeOutput,
     forest_backward,
+    forest_logprobs,
     forward,
     next_token_rows,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
+    "forest_logprobs", "ForestLogprobs",
     # one step
     "rollout_step", "forest_step", "forest_backward", "next_token_rows", "StepResult", "PartObserver",
     # objectives

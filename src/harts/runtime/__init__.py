@@ -2,10 +2,12 @@
 
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import TreeOutput, forward
+from harts.runtime.forward_only import ForestLogprobs, RowLogprobs, forest_logprobs, forest_row_logprobs
 from harts.runtime.routers import RouterRecorder, find_routers
 from harts.runtime.step import PartObserver, StepResult, forest_backward, next_token_rows
 
 __all__ = [
     "RunConfig", "TreeOutput", "forward", "RouterRecorder", "find_routers",
     "PartObserver", "StepResult", "forest_backward", "next_token_rows",
+    "forest_logprobs", "forest_row_logprobs", "ForestLogprobs", "RowLogprobs",
 ]  # fmt: skip

@@ -227,16 +227,20 @@ def layout_for(forest: Forest, device, run: RunConfig, part=None) -> TreeLayout:
 def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> TreeOutput:
     """Run ``model`` (a supported ``*ForCausalLM``) over every unique token of ``forest`` once.
 
-    The whole forest is one micro-batch (``run.budget_tokens`` must be None: a budget needs the
-    loss to run each part's backward, see :func:`harts.forest_backward`). ``run`` supplies the
-    linear plan, cost model, head chunk and recompute settings. Raises ValueError before any
-    compute for an unsupported model or a token id outside the model's vocabulary (naming the
-    trajectory and position).
+    The whole forest is one micro-batch, and its output holds every unique token's final hidden
+    state, so ``run.budget_tokens`` must be None, with autograd or without: log-probs without
+    autograd under a budget (the old-policy and reference passes) come from
+    :func:`harts.forest_logprobs`, training under one from :func:`harts.forest_backward` or
+    :func:`harts.rollout_step`. ``run`` supplies the linear plan, cost model, head chunk and
+    recompute settings. Raises ValueError before any compute for an unsupported model or a token
+    id outside the model's vocabulary (naming the trajectory and position).
     """
     run = RunConfig.resolve(run)
     if run.budget_tokens is not None:
         raise ValueError(
-            "harts.forward runs the whole forest at once and keeps its graph; for a token budget use "
+            "harts.forward runs the whole forest at once and returns every unique token's hidden state; "
+            "for log-probs without autograd under a token budget (old-policy, reference) use "
+            "harts.forest_logprobs; to train under one use "
             "harts.forest_backward or harts.rollout_step, which run each part's backward in turn"
         )
     model = resolve_model(model)

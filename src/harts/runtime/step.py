@@ -425,6 +425,34 @@ class _Parts:
                         else:
                             ready.append((r, self.forward(r, grad=True, first=False)))
 
+    # ---- no loss: forward only ----------------------------------------------------------------------
+    def forward_only(self) -> None:
+        """Every part's forward without autograd, in plan order, keeping only its rows' values.
+
+        What a part hands on is kept until the last part that reads it has run, then dropped, and
+        so is a part's layout with the plans it built (``self.layouts[p]`` becomes None; their
+        build time is kept in ``self.layout_seconds``): the pass holds one part's activations and
+        plans and the hand-overs still to be read, never a graph.
+        """
+        order = range(len(self.layouts))
+        self.layout_seconds = 0.0
+        producers = {p: self.banks.producers(p) for p in order}
+        readers = dict.fromkeys(order, 0)
+        for p in order:
+            for q in producers[p]:
+                readers[q] += 1
+        for p in order:
+            part_run = self.forward(p, grad=False, first=True)
+            if readers[p]:
+                self.banks.put(p, part_run.exports)
+            del part_run
+            self.layout_seconds += self.layouts[p].build_seconds
+            self.layouts[p] = None  # only readers' layouts are read from here on (HandoffBanks too)
+            for q in producers[p]:
+                readers[q] -= 1
+                if not readers[q]:
+                    self.banks.release(q)
+
     # ---- any loss: three passes ---------------------------------------------------------------------
     def three_passes(self, order: list[int]) -> None:
         """Forward of the parts of ``order`` without autograd (the last with it), the gradient of their

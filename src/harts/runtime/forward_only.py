@@ -1,0 +1,250 @@
+"""Log-probs without autograd under a token budget: the old-policy and reference passes of RL.
+
+A PPO or GRPO step runs the same rollouts through the model three times: the policy with
+autograd (:func:`harts.rollout_step`), and the old policy and the reference without it.
+:func:`forest_logprobs` is the forward-only pass: the forest is cut into micro-batches exactly as
+:func:`harts.forest_backward` cuts it (:func:`harts.plan_micro_batches` under
+``run.budget_tokens``: whole trees packed, larger trees cut at node boundaries with keys/values,
+conv inputs and states handed over), every part runs once without autograd, and only each row's
+log-prob (and entropy) is kept. What a part hands on is dropped once the last part reading it
+has run. Peak memory is one micro-batch's activations (no graph) plus the hand-overs still to be
+read, whatever the forest's size.
+
+The values come per trajectory in the layout of :class:`harts.Rollout`'s per-token fields
+(``rollout_logprobs``, ``ref_logprobs``): one value per token, position ``p`` the log-prob of
+token ``p`` given tokens ``< p``, and position 0, which nothing predicts, holding ``fill``
+(0.0 by default; pass ``float("nan")`` to mark it). They equal the stock Hugging Face forward of
+each trajectory alone within fp32 rounding, and the log-probs of :func:`harts.forward` on the
+whole forest: bit for bit when the forest is one micro-batch, and within the split invariance of
+the step (``docs/architecture.md``) when it is cut.
+
+:func:`forest_row_logprobs` is the same pass over any rows (a predicting unique token and a
+target id each), for callers that choose their rows (:func:`harts.integrations.batch_logprobs`).
+
+It always runs without autograd, under ``torch.no_grad()`` or not, and returns tensors without a
+graph: for log-probs to differentiate use :func:`harts.forward` (one micro-batch) or
+:func:`harts.forest_backward` (any budget). A DDP wrapper is run through its module (a
+forward-only pass has no gradient to synchronise); a model sharded by FSDP2's ``fully_shard`` is
+refused here (its units would need gathering, which only harts' data-parallel step does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from harts.forest import Forest, build_forest
+from harts.runtime.config import RunConfig
+from harts.runtime.executor import check_inputs, resolve_model
+from harts.runtime.step import PartObserver, _check_rows, _Parts
+
+__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_logprobs"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(eq=False)
+class RowLogprobs:
+    """Rows' values from a forward-only pass, and what its plan did.
+
+    - ``logprob`` / ``entropy`` [R]: detached, in the head's precision (fp32; fp64 for an fp64
+      model), on the model's device, in the order of the rows given.
+    - ``num_micro_batches``, ``num_cuts`` (parts reading context from an earlier part),
+      ``tokens_per_micro_batch``, ``part_forwards`` (one forward per part: no part runs twice).
+    - ``timings``: seconds in ``plan``, ``handoff`` and ``total``, as in
+      :class:`harts.StepResult`.
+    """
+
+    logprob: Tensor
+    entropy: Tensor
+    num_micro_batches: int
+    num_cuts: int
+    tokens_per_micro_batch: list[int]
+    part_forwards: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class ForestLogprobs:
+    """What :func:`forest_logprobs` returns.
+
+    - ``logprobs``: per trajectory, [L_i] (one value per token, as ``Rollout.rollout_logprobs``
+      and ``Rollout.ref_logprobs``): position ``p`` holds log pi(token p | tokens < p), position 0
+      and any position not scored hold the ``fill`` value.
+    - ``entropies``: the same layout (the entropy of the distribution that predicted token
+      ``p``), or None when not asked for.
+    - ``scored``: per trajectory, [L_i] bool, where a value was computed.
+    - ``forest``: the forest that ran; ``rows``: the row values and what the plan did.
+    """
+
+    logprobs: list[Tensor]
+    entropies: list[Tensor] | None
+    scored: list[Tensor]
+    forest: Forest
+    rows: RowLogprobs
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.rows.num_micro_batches
+
+
+def _runnable(model: nn.Module) -> nn.Module:
+    """The module a forward-only pass runs: DDP's module (no gradient to synchronise); an FSDP2
+    model with sharded parameters refused."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    if any(c.__name__ == "FSDPModule" for c in type(model).__mro__) and any(
+        type(p).__name__ == "DTensor" for p in model.parameters()
+    ):
+        raise ValueError(
+            "forest_logprobs does not run a model sharded by FSDP2's fully_shard: its units would need "
+            "gathering layer by layer, which only harts' data-parallel step does "
+            "(harts.runtime.distributed.data_parallel_step); run the pass on an unsharded copy of the "
+            "weights, or through verl's harts engine, whose forward-only passes gather the units"
+        )
+    return model
+
+
+def _check_temperature(temperature) -> float:
+    t = float(temperature)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    return t
+
+
+def forest_row_logprobs(
+    model: nn.Module,
+    forest: Forest,
+    predictor,
+    target,
+    *,
+    run: RunConfig | None = None,
+    budget_tokens: int | None = None,
+    temperature: float = 1.0,
+) -> RowLogprobs:
+    """(log-prob, entropy) of each row without autograd, the forest cut under ``run``'s budget.
+
+    ``predictor`` [R]: the unique-token index (in ``forest``) of each row's predicting position;
+    ``target`` [R]: the token id it predicts (as :func:`harts.forest_backward` takes them).
+    ``budget_tokens`` (or ``run.budget_tokens``): unique tokens per micro-batch, None for one
+    micro-batch. ``temperature`` T: of ``softmax(logits / T)``. Every check runs before any
+    compute.
+    """
+    start = time.perf_counter()
+    run = RunConfig.resolve(run, budget_tokens)
+    temperature = _check_temperature(temperature)
+    model = resolve_model(_runnable(model))
+    check_inputs(model, forest)
+    predictor, target = _check_rows(forest, predictor, target, model.lm_head)
+    with torch.no_grad():
+        parts = _Parts(model, forest, predictor, target, None, run, PartObserver(), temperature)
+        parts.forward_only()
+    timings = {
+        "plan": parts.clock.seconds["plan"] + parts.layout_seconds,
+        "handoff": parts.clock.seconds["handoff"],
+        "total": time.perf_counter() - start,
+    }
+    return RowLogprobs(parts.logp, parts.ent, len(parts.sizes), parts.plan.num_cuts, parts.sizes,
+                       parts.forwards, timings)  # fmt: skip
+
+
+def _trajectories(inputs, share_prefixes: bool) -> tuple[Forest, list | None]:
+    """The forest of ``inputs`` and, for rollouts, their loss masks (None where absent)."""
+    if isinstance(inputs, Forest):
+        if not share_prefixes:
+            raise ValueError(
+                "share_prefixes applies to rollouts or token sequences; a Forest is already built"
+            )
+        return inputs, None
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise TypeError(
+            f"expected a harts Forest, a sequence of harts.Rollout or a sequence of token-id sequences, "
+            f"got {type(inputs).__name__}"
+        )
+    if inputs and all(hasattr(r, "tokens") for r in inputs):  # harts.Rollout and the like
+        return build_forest([r.tokens for r in inputs], share_prefixes), [getattr(r, "loss_mask", None)
+                                                                          for r in inputs]  # fmt: skip
+    return build_forest(inputs, share_prefixes), None
+
+
+def _loss_positions(mask, index: int, length: int) -> np.ndarray:
+    """Positions ``p >= 1`` where a rollout's loss mask is set (every one for no mask)."""
+    if mask is None:
+        return np.arange(1, length)
+    if isinstance(mask, Tensor):
+        mask = mask.detach().cpu().numpy()
+    arr = np.asarray(mask)
+    if arr.shape != (length,):
+        raise ValueError(
+            f"trajectory {index}: loss_mask has shape {arr.shape}, but the trajectory has {length} tokens"
+        )
+    if arr.dtype != bool and not np.isin(arr, (0, 1)).all():
+        raise ValueError(f"trajectory {index}: loss_mask must hold 0/1 or booleans")
+    return np.flatnonzero(arr.astype(bool)[1:]) + 1
+
+
+def forest_logprobs(
+    model: nn.Module,
+    inputs,
+    *,
+    run: RunConfig | None = None,
+    budget_tokens: int | None = None,
+    temperature: float = 1.0,
+    entropies: bool = False,
+    loss_positions_only: bool = False,
+    share_prefixes: bool = True,
+    fill: float = 0.0,
+) -> ForestLogprobs:
+    """Per-trajectory log-probs (and entropies) of ``model``, forward only, under a token budget.
+
+    ``inputs``: a :class:`harts.Forest`, a sequence of :class:`harts.Rollout` (anything with
+    ``tokens``), or a sequence of token-id sequences; rollouts and sequences are merged by common
+    prefix (``share_prefixes=False``: each its own root, the flat layout). ``run`` /
+    ``budget_tokens``: the micro-batches, as for :func:`harts.forest_backward` (None: one).
+    ``temperature`` T: of ``softmax(logits / T)``, the distribution a sampler at T drew from.
+    ``entropies``: also return each position's entropy. ``loss_positions_only``: score only the
+    positions of each rollout's ``loss_mask`` (the ones an objective reads; the head then runs
+    only there), others holding ``fill``.
+
+    Returns :class:`ForestLogprobs`: ``logprobs[i]`` [L_i] aligned with trajectory ``i``'s tokens,
+    position 0 (and every unscored position) ``fill``; ready for ``Rollout(...,
+    ref_logprobs=...)`` or ``rollout_logprobs=...``. No autograd, whatever the grad mode
+    (module docstring). Every check runs before any compute.
+    """
+    forest, masks = _trajectories(inputs, share_prefixes)
+    lengths = forest.trajectory_length.tolist()
+    if loss_positions_only:
+        if masks is None:
+            raise ValueError(
+                "loss_positions_only needs rollouts (their loss_mask says which positions to score)"
+            )
+        positions = [_loss_positions(m, i, n) for i, (m, n) in enumerate(zip(masks, lengths, strict=True))]
+    else:
+        positions = [np.arange(1, n) for n in lengths]
+    paths = [forest.trajectory_token_indices(i) for i in range(forest.num_trajectories)]
+    pos = [torch.as_tensor(p, dtype=torch.long) for p in positions]
+    predictor = torch.cat([path[p - 1] for path, p in zip(paths, pos, strict=True)])
+    target = forest.tokens[torch.cat([path[p] for path, p in zip(paths, pos, strict=True)])]
+    rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
+                               temperature=temperature)  # fmt: skip
+    device = rows.logprob.device
+    offsets = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    where = torch.as_tensor(np.concatenate([o + p for o, p in zip(offsets, positions, strict=True)])
+                            .astype(np.int64), device=device)  # fmt: skip
+
+    def per_trajectory(values: Tensor) -> list[Tensor]:
+        out = torch.full((sum(lengths),), fill, dtype=values.dtype, device=device)
+        out[where] = values
+        return list(torch.split(out, lengths))
+
+    scored = torch.zeros(sum(lengths), dtype=torch.bool)
+    scored[where.cpu()] = True
+    return ForestLogprobs(
+        per_trajectory(rows.logprob), per_trajectory(rows.entropy) if entropies else None,
+        list(torch.split(scored, lengths)), forest, rows,
+    )  # fmt: skip
