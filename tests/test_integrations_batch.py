@@ -6,7 +6,8 @@
   TRL's loss types define it (PPO clip, KL k3, entropy bonus) on stock log-probs, and its
   gradients; log-probs and entropies come back in the batch's layout. A token budget changes
   nothing.
-- ``batch_logprobs``: the per-token values with autograd, in the caller's layout.
+- ``batch_logprobs``: the per-token values with autograd, in the caller's layout; without
+  autograd under a token budget.
 - ``group_advantages``: sample and population std, as verl/TRL and harts define them.
 - Bad input is refused before compute, naming the item.
 """
@@ -19,7 +20,7 @@ import torch
 import harts
 from harts.integrations import StdMode, batch_logprobs, batch_step, group_advantages
 from harts.testing import tiny_model
-from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads
+from tests.reference import GRAD_RTOL, LOGIT_ATOL, grad_relative_errors, param_grads
 
 PROMPT = [5, 9, 17, 33, 65, 3, 7, 21]
 RESPONSES = [[11, 12, 13, 14], [11, 12, 40], [50, 51, 52, 53, 54], [11, 60]]
@@ -226,3 +227,28 @@ def test_bad_batches_are_refused_before_compute(model):
     finally:
         handle.remove()
     assert calls == [], "no model compute may run before the batch is checked"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_batch_logprobs_under_a_budget_without_autograd(model, family):
+    """Under no_grad a token budget cuts the batch's forest as the step would (down to one token
+    per micro-batch); the values are the stock ones of each sequence alone, and those of the
+    unbudgeted call within the split bound (1e-5, tests/test_split.py)."""
+    model = model if family == "qwen3" else tiny_model(family, seed=4)
+    ids, mask, response = padded(left=True)
+    with torch.no_grad():
+        whole = batch_logprobs(model, ids, mask, score_mask=response, temperature=TEMPERATURE)
+        for budget in (1, 5):
+            out = batch_logprobs(model, ids, mask, score_mask=response, temperature=TEMPERATURE,
+                                 run=harts.RunConfig(budget_tokens=budget))  # fmt: skip
+            assert torch.equal(out.mask, response) and not out.logprobs.requires_grad
+            assert (out.logprobs - whole.logprobs).abs().max() <= 1e-5
+            assert (out.entropies - whole.entropies).abs().max() <= 1e-5
+            for b, s in enumerate(SEQS):
+                logp = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0, :-1] / TEMPERATURE, -1)
+                lp = logp.gather(1, torch.tensor(s[1:])[:, None])[:, 0][-RESP_LEN[b] :]
+                ent = -(logp.exp() * logp).sum(-1)[-RESP_LEN[b] :]
+                assert (out.logprobs[b][response[b]] - lp).abs().max() <= LOGIT_ATOL
+                assert (out.entropies[b][response[b]] - ent).abs().max() <= LOGIT_ATOL
+    with pytest.raises(ValueError, match=r"torch.no_grad\(\).*forest_logprobs"):
+        batch_logprobs(model, ids, mask, run=harts.RunConfig(budget_tokens=5))

@@ -11,6 +11,8 @@ a prompt.
 - :func:`batch_logprobs`: per-token log-probs and entropies in the batch's own layout, with
   autograd: differentiate any loss of them (the stack's own) and the gradients reach the model
   as if every sequence ran alone. The hook for trainers whose loss code stays theirs (TRL, verl).
+  Under ``torch.no_grad()`` it also takes a token budget (the old and reference passes in
+  bounded memory).
 - :func:`batch_step`: harts' whole step (forward, loss, backward under a token budget) on such a
   batch with one of the standard aggregations, returning the loss, metrics, log-probs and
   entropies in the batch's layout.
@@ -43,6 +45,7 @@ from harts.objectives.losses import Aggregation, Normalizers, PolicyLossConfig, 
 from harts.objectives.rollout import BatchRollouts, Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import forward
+from harts.runtime.forward_only import forest_row_logprobs
 from harts.runtime.step import StepResult
 from harts.train.step import forest_step, step_inputs
 
@@ -190,9 +193,20 @@ def batch_logprobs(
     value; None scores every token but each sequence's first. ``temperature`` T: of
     ``softmax(logits / T)``. The result keeps autograd (run it under ``torch.no_grad()`` for
     old or reference log-probs): a loss of it backpropagates into the model exactly as the stock
-    forward of each sequence alone would. The whole batch is one forward (no token budget: for
-    one, use :func:`batch_step` or :func:`harts.forest_backward`).
+    forward of each sequence alone would. With autograd the whole batch is one forward (no token
+    budget: for one, use :func:`batch_step` or :func:`harts.forest_backward`). Under
+    ``torch.no_grad()`` a budget (``run.budget_tokens``) is honoured: the forest runs in
+    micro-batches as the step would cut it (:func:`harts.forest_logprobs`), holding one
+    micro-batch's activations at a time, and the values are those of the whole batch at once.
     """
+    run = RunConfig.resolve(run)
+    budgeted = run.budget_tokens is not None
+    if budgeted and torch.is_grad_enabled():
+        raise ValueError(
+            "batch_logprobs with a token budget runs without autograd: call it under torch.no_grad() "
+            "(old or reference log-probs, as harts.forest_logprobs), or train under a budget with "
+            "batch_step or harts.forest_backward"
+        )
     layout = batch_layout(input_ids, attention_mask, cu_seqlens, position_ids)
     shape = tuple(layout.shape)
     mask = None if score_mask is None else _widen(score_mask, "score_mask", shape)[0]
@@ -209,8 +223,13 @@ def batch_logprobs(
         [p.numel() for p in paths]
     )
     where = starts[trajectory] + pos
-    out = forward(model, forest, run)  # checks the model and the token ids before any compute
-    logprob, entropy = out.logprobs(flat[where - 1], forest.tokens[flat[where]], temperature=temperature)
+    predictor, target = flat[where - 1], forest.tokens[flat[where]]
+    if budgeted:  # forward only, part by part; checks the model and the token ids before any compute
+        rows = forest_row_logprobs(model, forest, predictor, target, run=run, temperature=temperature)
+        logprob, entropy = rows.logprob, rows.entropy
+    else:
+        out = forward(model, forest, run)  # checks the model and the token ids before any compute
+        logprob, entropy = out.logprobs(predictor, target, temperature=temperature)
     values = layout.scatter(logprob, trajectory, pos)
     scored = layout.scatter(torch.ones_like(logprob, dtype=torch.bool), trajectory, pos, fill=False)
     return BatchLogprobs(values, layout.scatter(entropy, trajectory, pos), scored, forest, layout)
