@@ -26,10 +26,11 @@ summed, not averaged (harts' losses divide by normalisers of the whole step over
 parameter no rank used keeps ``.grad`` None, as on one process.
 
 The sum is a reduce-scatter of one unit's gradients at a time (one unit's worth of memory; each
-rank receives only its rows, as FSDP2 sums them), and one layer unit is whole at a time. Gathers and sums do not overlap compute yet: starting the next
-unit's gather asynchronously (``unshard(async_op=True)``) while a layer computes made gloo abort a
-rank now and then ("terminate called without an active exception", 2 of about 20 runs), so it
-is left out until it can be checked on NCCL.
+rank receives only its rows, as FSDP2 sums them), and one layer unit is whole at a time.
+Gathers and sums do not overlap compute yet: starting the next unit's gather asynchronously
+(``unshard(async_op=True)``) while a layer computes made gloo abort a rank now and then
+("terminate called without an active exception", 2 of about 20 runs), so it is left out until it
+can be checked on NCCL.
 """
 
 from __future__ import annotations
@@ -280,15 +281,14 @@ class ShardedStep:
         for i, s in enumerate(unit.sharded):
             groups.setdefault((isinstance(s, DTensor), _local(s).dtype), []).append(i)
         for (sharded, dtype), index in groups.items():
-            grads = [(full[i].grad if full[i].grad is not None else torch.zeros_like(full[i])).to(dtype)
-                     for i in index]  # fmt: skip
+            grads = [_grad_or_zeros(full[i]).to(dtype) for i in index]
             if sharded:
                 pieces = _reduce_scatter(grads, [unit.sharded[i] for i in index])
             else:
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat, group=self.group)
-                pieces = [p.view(g.shape).clone() for p, g in zip(flat.split([g.numel() for g in grads]), grads,
-                                                                  strict=True)]  # fmt: skip
+                sizes = [g.numel() for g in grads]
+                pieces = [p.view(g.shape).clone() for p, g in zip(flat.split(sizes), grads, strict=True)]
             for i, local in zip(index, pieces, strict=True):
                 s = unit.sharded[i]
                 if sharded:
@@ -334,10 +334,14 @@ def _reduce_scatter(grads: list[Tensor], sharded: list) -> list[Tensor]:
         local_rows = s.to_local().shape[dim]
         local = piece.view(shape).narrow(dim, 0, local_rows)
         if tuple(local.shape) != tuple(s.to_local().shape):
-            raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} for a "
-                             f"parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")  # fmt: skip
+            raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} "
+                             f"for a parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")
         out.append(local.clone())
     return out
+
+
+def _grad_or_zeros(p: Tensor) -> Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _shard_dim(sharded) -> int:
