@@ -346,3 +346,14 @@ def prompt_response_batch(prompts, responses) -> dict[str, torch.Tensor]:
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "prompts": prompt_ids,
         "responses": response_ids, "response_mask": response_mask.clone(),
     }  # fmt: skip
+
+
+def run_train(config, out, *extra) -> int:
+    """``harts train CONFIG --out OUT ...`` in this process; its exit status."""
+    from harts.cli import main
+
+    try:
+        main(["train", str(config), "--out", str(out), *extra])
+    except SystemExit as exc:
+        return exc.code
+    return 0

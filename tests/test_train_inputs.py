@@ -14,7 +14,6 @@ import json
 
 import pytest
 
-from harts.cli import main as harts_main
 from harts.testing import tiny_model
 from harts.trainer.checkpoint import list_checkpoints
 from harts.trainer.inputs import DataCheck, check_embedding, fingerprint
@@ -23,20 +22,13 @@ from tests.helpers import (
     CONVERSATION,
     EXAMPLE_ROLLOUTS,
     one_thread,  # noqa: F401 (autouse: one thread)
+    run_train,
     save_tokenizer,
     write_config,
 )
 
 LINES = EXAMPLE_ROLLOUTS.read_text().splitlines()
 PPO = {"kind": "ppo", "advantage": "grpo"}
-
-
-def _train(config, out, *extra) -> int:
-    try:
-        harts_main(["train", str(config), "--out", str(out), *extra])
-    except SystemExit as exc:
-        return exc.code
-    return 0
 
 
 def _data(path, change=None, line: int = len(LINES), lines=LINES):
@@ -65,7 +57,7 @@ def _refused(tmp_path, capsys, change, objective=None, *, every: bool = False, l
                                                                                    lines=lines)  # fmt: skip
     config = write_config(tmp_path / "run.toml", {"steps": 4}, data={"path": str(data)},
                           objective=objective or {"kind": "sft"}, checkpoint={"every": 1})  # fmt: skip
-    assert _train(config, tmp_path / "out") == 2
+    assert run_train(config, tmp_path / "out") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("harts train: error: "), err
     # refused before any step: no checkpoint directory, no metrics
@@ -159,7 +151,7 @@ def test_other_fields_are_listed_once_and_kept(tmp_path, capsys):
              for i, x in enumerate(LINES)]  # fmt: skip
     data = _data(tmp_path / "r.jsonl", lines=lines)
     config = write_config(tmp_path / "run.toml", {"steps": 1}, data={"path": str(data)})
-    assert _train(config, tmp_path / "out") == 0
+    assert run_train(config, tmp_path / "out") == 0
     err = capsys.readouterr().err
     listed = [line for line in err.splitlines() if "fields that are not rollout fields" in line]
     assert listed == [
@@ -175,7 +167,7 @@ def test_a_chat_file_under_ppo_is_refused_before_step_1(tmp_path, capsys):
     data.write_text(json.dumps({"messages": CONVERSATION, "reward": 1.0, "group_id": "paris"}) + "\n")
     chat = {"path": str(data), "tokenizer": str(tokenizer), "rollouts_per_step": 1}
     config = write_config(tmp_path / "run.toml", {"steps": 1}, objective=PPO, data=chat)
-    assert _train(config, tmp_path / "out") == 2
+    assert run_train(config, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "chat.jsonl, line 1 (step 1), field 'rollout_logprobs': missing" in err
     assert "train chat files with objective.kind = 'sft'" in err
@@ -199,14 +191,14 @@ def test_a_resume_on_changed_data_continues_with_the_flag(tmp_path, capsys):
     sections = dict(data={"path": str(data)}, checkpoint={"every": 1, "keep_last": 5})
     config = write_config(tmp_path / "run.toml", {"steps": 3}, **sections)
     out = tmp_path / "out"
-    assert _train(config, out) == 0
+    assert run_train(config, out) == 0
     before = fingerprint(data)
     _data(data, lines=LINES[:20])  # task-0 and task-1
     longer = write_config(tmp_path / "run.toml", {"steps": 5}, **sections)
     capsys.readouterr()
 
     metrics = (out / "metrics.jsonl").read_text()
-    assert _train(longer, out, "--resume") == 2
+    assert run_train(longer, out, "--resume") == 2
     err = capsys.readouterr().err
     assert f"{data} changed since step-000003 was written (sha256 {before['sha256']} -> " in err
     assert "37 -> 20 rollouts (lines), 4 -> 2 steps per epoch" in err
@@ -214,10 +206,10 @@ def test_a_resume_on_changed_data_continues_with_the_flag(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == metrics
     assert [c.step for c in list_checkpoints(out / "checkpoints")] == [1, 2, 3]
 
-    assert _train(longer, out, "--accept-changed-data") == 2  # the flag goes with --resume
+    assert run_train(longer, out, "--accept-changed-data") == 2  # the flag goes with --resume
     assert "--accept-changed-data goes with --resume" in capsys.readouterr().err
 
-    assert _train(longer, out, "--resume", "--accept-changed-data") == 0
+    assert run_train(longer, out, "--resume", "--accept-changed-data") == 0
     err = capsys.readouterr().err
     now = fingerprint(data)
     assert (f"r.jsonl changed since step-000003 was written: sha256 {before['sha256']} -> {now['sha256']}, "

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import harts
-from harts.cli import main as harts_main
 from harts.testing import FAMILIES, tiny_model
 from harts.trainer.checkpoint import MANIFEST, list_checkpoints
 from harts.trainer.config import load_config
@@ -30,17 +29,10 @@ from tests.helpers import (
     FAMILY,
     ROOT,
     one_thread,  # noqa: F401 (autouse: one thread)
+    run_train,
     save_tokenizer,
     write_config,
 )
-
-
-def _train(config, out, *extra) -> int:
-    try:
-        harts_main(["train", str(config), "--out", str(out), *extra])
-    except SystemExit as exc:
-        return exc.code
-    return 0
 
 
 def _metrics(out) -> list[dict]:
@@ -57,7 +49,7 @@ def short_run(tmp_path_factory):
         optimizer={"lr": 1e-3, "weight_decay": 0.0},
         checkpoint={"every": 2, "keep_last": 2},
     )
-    assert _train(config, tmp / "out") == 0
+    assert run_train(config, tmp / "out") == 0
     return config, tmp / "out"
 
 
@@ -95,7 +87,7 @@ def test_a_run_equals_the_loop_written_by_hand(short_run):
 
 def test_a_second_run_into_the_same_directory_is_refused(short_run, capsys):
     config, out = short_run
-    assert _train(config, out) == 2
+    assert run_train(config, out) == 2
     assert "already holds checkpoints (step-000003): pass --resume" in capsys.readouterr().err
     assert train(load_config(config), out, resume=True)["steps"] == 3  # complete: nothing to do
 
@@ -106,7 +98,7 @@ def _resume_error(short_run, tmp_path, capsys, damage) -> str:
     shutil.copytree(out, copy)
     damage(copy / "checkpoints" / "step-000003")
     before = (copy / "metrics.jsonl").read_text()
-    assert _train(config, copy, "--resume") == 2
+    assert run_train(config, copy, "--resume") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert (copy / "metrics.jsonl").read_text() == before  # refused before anything was touched
@@ -143,7 +135,7 @@ def test_changed_data_is_refused_on_resume(short_run, tmp_path, capsys):
         tmp_path / "run.toml", {"max_grad_norm": 0.0, "steps": 4}, data={"path": str(data)}
     )
     shutil.copytree(out, tmp_path / "out")
-    assert _train(changed, tmp_path / "out", "--resume") == 2
+    assert run_train(changed, tmp_path / "out", "--resume") == 2
     err = capsys.readouterr().err
     assert "changed since step-000003 was written (sha256 " in err and "37 -> 37 rollouts (lines)" in err
     assert "pass --accept-changed-data to continue from step-000003's position on the changed file" in err
@@ -157,7 +149,7 @@ def test_a_resume_with_other_parameter_groups_is_refused(short_run, tmp_path, ca
         optimizer={"lr": 1e-3, "weight_decay": 0.0, "freeze_router": True},
         checkpoint={"every": 2, "keep_last": 2},
     )  # fmt: skip
-    assert _train(config, tmp_path / "out", "--resume") == 2
+    assert run_train(config, tmp_path / "out", "--resume") == 2
     err = capsys.readouterr().err
     assert "warning: the config differs from step-000003's in optimizer.freeze_router, steps" in err
     assert "the checkpoint's adamw state does not fit this run's parameters" in err
@@ -168,7 +160,7 @@ def test_a_diverging_run_stops_with_status_1(tmp_path, capsys):
         tmp_path / "run.toml", {"steps": 4, "max_grad_norm": 0.0},
         optimizer={"lr": 1e30}, checkpoint={"every": 1}, model={"tiny": FAMILIES[-1]},
     )  # fmt: skip
-    assert _train(config, tmp_path / "out") == 1
+    assert run_train(config, tmp_path / "out") == 1
     err = capsys.readouterr().err
     assert "not finite; stopped before the update" in err
     checkpoints = list_checkpoints(tmp_path / "out" / "checkpoints")

@@ -168,7 +168,8 @@ def _check(hidden, predictor, target, chunk_rows: int = 1):
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
 
 
-def _check_temperature(temperature: float) -> float:
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float, refused unless positive and finite."""
     t = float(temperature)
     if not t > 0 or t == float("inf"):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
@@ -198,7 +199,7 @@ def token_logprobs(
 
     ``softcap`` c: of the logits ``c * tanh((h . W + b) / c)`` (then divided by ``temperature``)."""
     _check(hidden, predictor, target, chunk_rows)
-    temperature, softcap = _check_temperature(temperature), _check_softcap(softcap)
+    temperature, softcap = check_temperature(temperature), _check_softcap(softcap)
     if softcap is None and temperature != 1.0:
         # logits / T == h . (W / T) + b / T: the same chunked path on a scaled head
         weight = weight / temperature
@@ -248,7 +249,7 @@ def head_token_logprobs(
     """(logprob [R], entropy [R]) through ``head`` called as a module, ``chunk_rows`` predictors at a
     time; ``softcap``: the head's output soft-capped first."""
     _check(hidden, predictor, target, chunk_rows)
-    temperature, softcap = _check_temperature(temperature), _check_softcap(softcap)
+    temperature, softcap = check_temperature(temperature), _check_softcap(softcap)
     predictor, target = predictor.long(), target.long()
     if hidden.shape[0] == 0:
         empty = torch.empty(0, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from harts.forest import Forest, build_forest
+from harts.ops.logprobs import check_temperature
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import check_inputs, resolve_model
 from harts.runtime.step import PartObserver, _check_rows, _Parts
@@ -110,13 +111,6 @@ def _runnable(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_temperature(temperature) -> float:
-    t = float(temperature)
-    if not t > 0 or t == float("inf"):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    return t
-
-
 def forest_row_logprobs(
     model: nn.Module,
     forest: Forest,
@@ -137,7 +131,7 @@ def forest_row_logprobs(
     """
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     model = resolve_model(_runnable(model))
     check_inputs(model, forest)
     predictor, target = _check_rows(forest, predictor, target, model.lm_head)
