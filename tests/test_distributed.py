@@ -316,6 +316,59 @@ def test_a_dead_rank_stops_the_others_and_the_run_resumes(tmp_path):
     assert "resuming from" in done.stderr and (out / "checkpoints" / "step-000012").is_dir()
 
 
+# a hung rank's peers wait this long in a collective before failing (distributed.timeout_s)
+HUNG_TIMEOUT_S = 20
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault, gather, phase", [("die", 1, "forward"), ("die", 7, "backward"),
+                                                  ("hang", 7, "backward")],
+                         ids=["dies-first-forward-gather", "dies-backward-gather", "hangs-backward-gather"])
+def test_a_rank_lost_inside_a_layer_gather_stops_the_other_within_the_timeout(fault, gather, phase, tmp_path):
+    """Rank 1 dies (SIGKILL) or hangs right before its share of a decoder-layer unit's all-gather
+    (the 1st: the first layer's forward in step 1; the 7th: one in a part's backward, as the rank
+    reports); rank 0, already inside that gather, fails with the run's message within
+    distributed.timeout_s: at once for a closed connection, at the timeout for a silent peer."""
+    config = _train_config(tmp_path, steps=4)
+    text = config.read_text().replace("timeout_s = 60", f"timeout_s = {HUNG_TIMEOUT_S}")
+    config.write_text(text)
+    assert f"timeout_s = {HUNG_TIMEOUT_S}" in text
+    out = tmp_path / "run"
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        harts_args = ["train", str(config), "--out", str(out)]
+        command = ([sys.executable, str(HERE / "fault_worker.py"), fault, str(gather), *harts_args] if rank else
+                   [sys.executable, "-m", "harts", *harts_args])  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
+    try:
+        lost_at, line = None, ""
+        deadline = time.monotonic() + 180
+        while "fault_worker:" not in line:  # rank 1 says where it stops before it does
+            assert time.monotonic() < deadline and procs[1].poll() in (None, -signal.SIGKILL), "no fault"
+            line = procs[1].stderr.readline()
+            assert line or procs[1].poll() is None, "rank 1 ended before its fault"
+        lost_at = time.monotonic()
+        assert f"{fault} at layer gather {gather}" in line and f", {phase})" in line, line
+        _, stderr = procs[0].communicate(timeout=HUNG_TIMEOUT_S + 120)
+        waited = time.monotonic() - lost_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert procs[0].returncode == 3, stderr[-3000:]
+    assert "a collective with the other ranks failed" in stderr and "--resume" in stderr, stderr[-3000:]
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("*.tmp*"))
+    if fault == "die":  # a closed connection is seen at once, long before the timeout
+        assert waited < HUNG_TIMEOUT_S / 2, waited
+    else:  # only the timeout ends the wait, and it does
+        assert HUNG_TIMEOUT_S * 0.9 < waited < HUNG_TIMEOUT_S + 60, waited
+
+
 @pytest.mark.multiprocess
 def test_bad_data_stops_every_rank_with_one_message(tmp_path):
     bad = tmp_path / "bad.jsonl"
