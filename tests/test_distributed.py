@@ -340,8 +340,8 @@ def test_a_rank_lost_inside_a_layer_gather_stops_the_other_within_the_timeout(fa
         env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
         harts_args = ["train", str(config), "--out", str(out)]
-        command = ([sys.executable, str(HERE / "fault_worker.py"), fault, str(gather), *harts_args] if rank else
-                   [sys.executable, "-m", "harts", *harts_args])  # fmt: skip
+        faulty = [str(HERE / "fault_worker.py"), fault, str(gather)]
+        command = [sys.executable, *(faulty if rank else ["-m", "harts"]), *harts_args]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
     try:
