@@ -18,7 +18,7 @@ import threading
 
 
 def _phase() -> str:
-    """"forward" or "backward": the ShardedStep method this gather is called from."""
+    """The phase of the step this gather belongs to: "forward" or "backward" (its ShardedStep method)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name in ("layer", "backward") and "sharded" in frame.f_code.co_filename:
