@@ -2,14 +2,16 @@
 
     python benchmarks/distributed_step.py                                # one process
     torchrun --nproc_per_node=2 benchmarks/distributed_step.py           # 2 ranks (DDP)
-    torchrun --nproc_per_node=2 benchmarks/distributed_step.py --fsdp    # 2 ranks (FSDP2)
+    torchrun --nproc_per_node=2 benchmarks/distributed_step.py --fsdp    # 2 ranks: DDP and FSDP2
 
 The batch is one agentic forest (a 600-token system prompt shared by every rollout, 8 tasks of
 4 rollouts over 3 turns): one tree, so on several ranks it is divided at its branch points and
 each rank recomputes the system prompt. Each process runs ``--threads`` threads (1 by default:
 2 ranks on a 2-core machine against one process on one core of it). Prints the unique and flat
-tokens, the max/mean rank cost of the assignment and the fastest of ``--repeats`` steps (after
-one warm-up), timed between barriers.
+tokens, the max/mean rank cost of the assignment and, per variant, the fastest and the median of
+``--repeats`` steps (after one warm-up), timed between barriers. With ``--fsdp`` the ranks run
+DDP, FSDP2 with prefetch (``RunConfig.prefetch_units``, the default) and FSDP2 with one unit
+gathered at a time, one step of each in turn, on the same rollouts.
 
 What this leaves out: the optimizer step, and GPUs (CPU figures, gloo).
 """
@@ -30,13 +32,24 @@ from harts.testing import tiny_model
 from harts.trainer.distributed import rank_cost
 
 
+def shard(family: str) -> torch.nn.Module:
+    """The same model (same seed), each decoder layer an FSDP2 unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model(family, seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="bailing_hybrid")
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="also FSDP2, with and without prefetch, alternating with DDP")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,31 +63,31 @@ def main() -> None:
     forest = harts.build_forest(tokens)
     plan = assign_trees(forest, world, rank_cost(model))
     mine = [rollouts[i] for i in plan.trajectories[dist.get_rank() if world > 1 else 0]]
-    wrapped = model
-    if world > 1 and args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
-    elif world > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    variants = {"one process": (model, None)} if world == 1 else {
+        "DDP": (torch.nn.parallel.DistributedDataParallel(model), None),
+        "FSDP2, prefetch": (shard(args.family), True),
+        "FSDP2, one unit at a time": (shard(args.family), False),
+    }  # fmt: skip
+    if world > 1 and not args.fsdp:
+        variants = {"DDP": variants["DDP"]}
     loss = harts.PolicyLossConfig(kind="ppo")
-    times = []
-    for _ in range(args.repeats + 1):
-        if world > 1:
-            dist.barrier()
-        began = time.perf_counter()
-        harts.rollout_step(wrapped, mine, loss, budget_tokens=args.budget)
-        if world > 1:
-            dist.barrier()
-        times.append(time.perf_counter() - began)
-        wrapped.zero_grad()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats + 1):  # the variants alternate, so a slow spell hits each alike
+        for name, (wrapped, prefetch) in variants.items():
+            run = harts.RunConfig(budget_tokens=args.budget, prefetch_units=prefetch is not False)
+            if world > 1:
+                dist.barrier()
+            began = time.perf_counter()
+            harts.rollout_step(wrapped, mine, loss, run=run)
+            if world > 1:
+                dist.barrier()
+            times[name].append(time.perf_counter() - began)
+            wrapped.zero_grad()
     if world == 1 or dist.get_rank() == 0:
-        kind = "one process" if world == 1 else f"{world} ranks ({'FSDP2' if args.fsdp else 'DDP'})"
-        print(f"{kind}: {forest.num_tokens} unique / {forest.num_flat_tokens} flat tokens, max/mean rank "
-              f"cost {plan.imbalance:.3f} ({plan.divided} tree(s) divided), "
-              f"step {min(times[1:]):.3f} s")  # fmt: skip
+        print(f"{world} rank(s): {forest.num_tokens} unique / {forest.num_flat_tokens} flat tokens, max/mean "
+              f"rank cost {plan.imbalance:.3f} ({plan.divided} tree(s) divided)")  # fmt: skip
+        for name, t in times.items():
+            print(f"  {name}: fastest step {min(t[1:]):.3f} s, median {sorted(t[1:])[len(t[1:]) // 2]:.3f} s")
     if world > 1:
         dist.destroy_process_group()
 

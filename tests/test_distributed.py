@@ -112,19 +112,21 @@ def test_one_step_on_four_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_sharded_step_holds_one_layer_unit_at_a_time_and_only_shards_after(tmp_path):
-    """What an FSDP2 rank holds, counted: during the step one decoder-layer unit is whole at a
-    time (the running layer's), on every path; after it every unit is
-    sharded again and the rank holds its shards of the parameters and of the gradients, about
-    1/N of the whole model each (dim-0 chunks: a tensor with fewer rows than ranks is padded)."""
+def test_a_sharded_step_holds_two_layer_units_at_a_time_and_only_shards_after(tmp_path):
+    """What an FSDP2 rank holds, counted: during the step two decoder-layer units are whole at a
+    time (the running layer's and the next one's, being gathered), on every path, and one without
+    prefetching; after it every unit is sharded again and the rank holds its shards of the
+    parameters and of the gradients, about 1/N of the whole model each (dim-0 chunks: a tensor
+    with fewer rows than ranks is padded)."""
     out = tmp_path / "units.pt"
-    names = ["fsdp", "fsdp-held", "fsdp-gspo", "fsdp-checkpointing"]
+    names = ["fsdp", "fsdp-held", "fsdp-gspo", "fsdp-checkpointing", "fsdp-one-unit"]
     done = _torchrun(str(HERE / "distributed_worker.py"), "units", STEP_FAMILIES[-1], str(out), *names)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank, held in enumerate(torch.load(out, weights_only=True)):
         for name, figures in held.items():
             assert figures["layers"] >= 3, figures
-            assert figures["most_layer_units_whole"] == 1, (rank, name, figures)
+            whole = 1 if name == "fsdp-one-unit" else 2
+            assert figures["most_layer_units_whole"] == whole, (rank, name, figures)
             assert figures["still_whole"] == 0, (rank, name, figures)
             share = figures["whole_bytes"] / 2
             assert 0.9 * share <= figures["param_bytes"] <= 1.1 * share, (rank, name, figures)

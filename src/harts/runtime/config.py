@@ -43,6 +43,9 @@ class RunConfig:
       Default 0: no graph is held and peak memory stays that of one micro-batch;
       ``hold_tokens=budget_tokens`` trades up to one micro-batch more for fewer forwards. Measured
       trade-off: docs/benchmarks.md.
+    - ``prefetch_units``: under FSDP2, start gathering the next decoder layer's unit while one
+      computes, in forward and in backward (as FSDP2's own prefetch does): the transfer overlaps
+      compute at the cost of one more layer unit whole. False: one unit whole at a time.
     """
 
     budget_tokens: int | None = None
@@ -52,6 +55,7 @@ class RunConfig:
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     recompute_linear: bool = False
     hold_tokens: int = 0
+    prefetch_units: bool = True
 
     def __post_init__(self):
         if self.budget_tokens is not None and (
@@ -75,6 +79,8 @@ class RunConfig:
         hold = self.hold_tokens
         if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
             raise ValueError(f"hold_tokens must be an int >= 0, got {self.hold_tokens!r}")
+        if not isinstance(self.prefetch_units, bool):
+            raise ValueError(f"prefetch_units must be True or False, got {self.prefetch_units!r}")
 
     @staticmethod
     def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:

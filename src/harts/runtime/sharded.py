@@ -26,11 +26,15 @@ summed, not averaged (harts' losses divide by normalisers of the whole step over
 parameter no rank used keeps ``.grad`` None, as on one process.
 
 The sum is a reduce-scatter of one unit's gradients at a time (one unit's worth of memory; each
-rank receives only its rows, as FSDP2 sums them), and one layer unit is whole at a time.
-Gathers and sums do not overlap compute yet: starting the next unit's gather asynchronously
-(``unshard(async_op=True)``) while a layer computes made gloo abort a rank now and then
-("terminate called without an active exception", 2 of about 20 runs), so it is left out until it
-can be checked on NCCL.
+rank receives only its rows, as FSDP2 sums them).
+
+**Prefetch** (``RunConfig.prefetch_units``, on by default): before a layer computes, the gather of
+the layer that runs next in the same pass (the following layer in forward, the preceding one in
+backward) is started asynchronously (``unshard(async_op=True)``) and waited for when that layer
+starts, as FSDP2's own forward and backward prefetch do. The transfer then overlaps the layer's
+compute, and two layer units are whole at a time instead of one. A pass never prefetches across
+its end, so the order of collectives is the same on every rank (stand-ins run the same passes).
+The reduce-scatters stay synchronous.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ class _Lockstep:
 class ShardedStep:
     """One step of an FSDP2 model with its units gathered one at a time (module docstring)."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None):
+    def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None,
+                 prefetch: bool = True):  # fmt: skip
         layer_ids = {id(m) for m in layers}
         self.group = group
         self.layers: list[_Unit | None] = []
@@ -132,6 +137,8 @@ class ShardedStep:
         self.outer = _Unit(model, [n for n, _ in named], [p for _, p in named])
         self.lockstep = _Lockstep(group, self._stand_in)
         self._agreement: tuple[int, torch.dtype] | None = None
+        self.prefetch = prefetch
+        self._pending: dict[int, object] = {}  # layer index -> the handle of its started gather
 
     # ---- the step's frame ---------------------------------------------------------------------
     def begin(self) -> None:
@@ -142,6 +149,7 @@ class ShardedStep:
         """After every part: wait for the other ranks, sum the outer units' gradients, reshard them,
         and leave ``.grad`` None where no rank produced a gradient."""
         self.lockstep.finish()
+        self._drop_pending()
         self._reduce(self.outer)
         for m in self.outer_modules:
             m.reshard()
@@ -159,6 +167,7 @@ class ShardedStep:
 
     def abort(self) -> None:
         """Reshard everything after an error (the other ranks fail on their next collective)."""
+        self._pending.clear()
         for unit in self.layers:
             if unit is not None:
                 unit.module.reshard()
@@ -200,9 +209,7 @@ class ShardedStep:
         """Layer ``index`` of a part's forward with its unit gathered; with ``segments`` (autograd),
         its input becomes a leaf and the segment is recorded. ``fn`` None: another rank's forward,
         the same gathers and nothing computed."""
-        unit = self.layers[index]
-        if unit is not None:
-            unit.module.unshard()
+        unit = self._gather(index, index + 1)
         try:
             out = fn(hidden) if fn is not None else None
         finally:
@@ -234,9 +241,7 @@ class ShardedStep:
             roots = list(layer_roots.get(index, []))
             if segment is not None and grad is not None:
                 roots.append((segment.output, grad))
-            unit = self.layers[index]
-            if unit is not None:
-                unit.module.unshard()
+            unit = self._gather(index, index - 1)
             try:
                 _backward(roots)
                 if unit is not None:
@@ -247,6 +252,30 @@ class ShardedStep:
             grad = segment.leaf.grad if segment is not None else None
         if segments is not None and segments.embedded is not None and grad is not None:
             _backward([(segments.embedded, grad)])
+
+    def _gather(self, index: int, following: int) -> _Unit | None:
+        """Layer ``index``'s unit, gathered (waiting for its prefetch when one was started), and,
+        with prefetching, the gather of the layer that runs next in this pass (``following``)
+        started before this one computes: every rank runs the same passes (stand-ins included), so
+        the collectives stay in the same order on every rank."""
+        unit = self.layers[index]
+        if unit is not None:
+            handle = self._pending.pop(index, None)
+            if handle is not None:
+                handle.wait()
+            else:
+                unit.module.unshard()
+        if self.prefetch and 0 <= following < len(self.layers) and self.layers[following] is not None:
+            self._pending[following] = self.layers[following].module.unshard(async_op=True)
+        return unit
+
+    def _drop_pending(self) -> None:
+        """A prefetched gather no pass used (a pass that stopped before its last layer): wait for
+        it and reshard, so no unit stays whole past the step."""
+        for index, handle in sorted(self._pending.items()):
+            handle.wait()
+            self.layers[index].module.reshard()
+        self._pending.clear()
 
     # ---- stand-ins and sums --------------------------------------------------------------------
     def _stand_in(self, kind: int) -> None:
