@@ -10,8 +10,9 @@ each rank recomputes the system prompt. Each process runs ``--threads`` threads 
 2 ranks on a 2-core machine against one process on one core of it). Prints the unique and flat
 tokens, the max/mean rank cost of the assignment and, per variant, the fastest and the median of
 ``--repeats`` steps (after one warm-up), timed between barriers. With ``--fsdp`` the ranks run
-DDP, FSDP2 with prefetch (``RunConfig.prefetch_units``, the default) and FSDP2 with one unit
-gathered at a time, one step of each in turn, on the same rollouts.
+DDP, FSDP2 with its collectives overlapping compute (``RunConfig.fsdp_overlap``, the default)
+and FSDP2 without (one unit gathered at a time, each sum waited for), one step of each in turn,
+on the same rollouts.
 
 What this leaves out: the optimizer step, and GPUs (CPU figures, gloo).
 """
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true",
-                        help="also FSDP2, with and without prefetch, alternating with DDP")  # fmt: skip
+                        help="also FSDP2, with and without overlap, alternating with DDP")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -65,16 +66,16 @@ def main() -> None:
     mine = [rollouts[i] for i in plan.trajectories[dist.get_rank() if world > 1 else 0]]
     variants = {"one process": (model, None)} if world == 1 else {
         "DDP": (torch.nn.parallel.DistributedDataParallel(model), None),
-        "FSDP2, prefetch": (shard(args.family), True),
-        "FSDP2, one unit at a time": (shard(args.family), False),
+        "FSDP2, overlapped": (shard(args.family), True),
+        "FSDP2, not overlapped": (shard(args.family), False),
     }  # fmt: skip
     if world > 1 and not args.fsdp:
         variants = {"DDP": variants["DDP"]}
     loss = harts.PolicyLossConfig(kind="ppo")
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats + 1):  # the variants alternate, so a slow spell hits each alike
-        for name, (wrapped, prefetch) in variants.items():
-            run = harts.RunConfig(budget_tokens=args.budget, prefetch_units=prefetch is not False)
+        for name, (wrapped, overlap) in variants.items():
+            run = harts.RunConfig(budget_tokens=args.budget, fsdp_overlap=overlap is not False)
             if world > 1:
                 dist.barrier()
             began = time.perf_counter()

@@ -95,8 +95,9 @@ class Variant:
 VARIANTS = {
     "ddp": Variant("ddp"),
     "fsdp": Variant("fsdp"),
-    # one layer unit whole at a time (no prefetch of the next): the same work, the same sums
-    "fsdp-one-unit": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, prefetch_units=False),
+    # no overlap: one layer unit whole at a time, each sum done before compute goes on; the same
+    # work, the same sums
+    "fsdp-one-unit": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, fsdp_overlap=False),
                              baseline="fsdp"),  # fmt: skip
     # every part that later parts read keeps its graph: spines' backwards after their readers'
     "fsdp-held": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=10**9)),

@@ -43,9 +43,11 @@ class RunConfig:
       Default 0: no graph is held and peak memory stays that of one micro-batch;
       ``hold_tokens=budget_tokens`` trades up to one micro-batch more for fewer forwards. Measured
       trade-off: docs/benchmarks.md.
-    - ``prefetch_units``: under FSDP2, start gathering the next decoder layer's unit while one
-      computes, in forward and in backward (as FSDP2's own prefetch does): the transfer overlaps
-      compute at the cost of one more layer unit whole. False: one unit whole at a time.
+    - ``fsdp_overlap``: under FSDP2, communication overlaps compute as FSDP2's own prefetch does:
+      the next decoder layer's gather starts while one computes (forward and backward), and a
+      layer's gradient sum runs during the next layer's backward. Costs one more layer unit whole
+      (and one unit's gradient in flight). False: each collective completes before compute goes
+      on, one unit whole at a time. The result is the same bits either way.
     """
 
     budget_tokens: int | None = None
@@ -55,7 +57,7 @@ class RunConfig:
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     recompute_linear: bool = False
     hold_tokens: int = 0
-    prefetch_units: bool = True
+    fsdp_overlap: bool = True
 
     def __post_init__(self):
         if self.budget_tokens is not None and (
@@ -79,8 +81,8 @@ class RunConfig:
         hold = self.hold_tokens
         if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
             raise ValueError(f"hold_tokens must be an int >= 0, got {self.hold_tokens!r}")
-        if not isinstance(self.prefetch_units, bool):
-            raise ValueError(f"prefetch_units must be True or False, got {self.prefetch_units!r}")
+        if not isinstance(self.fsdp_overlap, bool):
+            raise ValueError(f"fsdp_overlap must be True or False, got {self.fsdp_overlap!r}")
 
     @staticmethod
     def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:

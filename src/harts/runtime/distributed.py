@@ -217,14 +217,14 @@ def _check_fsdp_units(model: nn.Module, modules: list[nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def _fsdp_step(dp: DataParallel, prefetch: bool) -> Iterator[tuple[nn.Module, DataParallel]]:
+def _fsdp_step(dp: DataParallel, overlap: bool) -> Iterator[tuple[nn.Module, DataParallel]]:
     from harts.adapters import adapter_for
 
     model = dp.wrapper
     modules = _fsdp_modules(model)
     _check_fsdp_units(model, modules)
     layers = list(adapter_for(model).backbone(model).layers[: model.config.num_hidden_layers])
-    step = ShardedStep(model, layers, modules, dp.group, prefetch=prefetch)
+    step = ShardedStep(model, layers, modules, dp.group, overlap=overlap)
     step.begin()
     try:
         with sharded_step(model):
@@ -237,12 +237,12 @@ def _fsdp_step(dp: DataParallel, prefetch: bool) -> Iterator[tuple[nn.Module, Da
 
 @contextlib.contextmanager
 def data_parallel_step(
-    model: nn.Module, prefetch: bool = True
+    model: nn.Module, overlap: bool = True
 ) -> Iterator[tuple[nn.Module, DataParallel | None]]:
     """Run one step's work on ``(module, dp)``: the plain module to run harts on and the
     data-parallel description (None, and ``model`` itself, for a plain model). On leaving, the
     gradients of the work done inside are summed over the ranks (see the module docstring).
-    ``prefetch`` (FSDP2): gather the next layer unit while one computes (``RunConfig.prefetch_units``)."""
+    ``overlap`` (FSDP2): collectives overlap compute (``RunConfig.fsdp_overlap``)."""
     dp = data_parallel(model)
     if dp is None:
         warn_unwrapped(model)
@@ -252,5 +252,5 @@ def data_parallel_step(
         with _ddp_step(dp) as module:
             yield module, dp
     else:
-        with _fsdp_step(dp, prefetch) as (module, sharded_dp):
+        with _fsdp_step(dp, overlap) as (module, sharded_dp):
             yield module, sharded_dp

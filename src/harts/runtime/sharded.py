@@ -28,13 +28,15 @@ parameter no rank used keeps ``.grad`` None, as on one process.
 The sum is a reduce-scatter of one unit's gradients at a time (one unit's worth of memory; each
 rank receives only its rows, as FSDP2 sums them).
 
-**Prefetch** (``RunConfig.prefetch_units``, on by default): before a layer computes, the gather of
+**Overlap** (``RunConfig.fsdp_overlap``, on by default): before a layer computes, the gather of
 the layer that runs next in the same pass (the following layer in forward, the preceding one in
 backward) is started asynchronously (``unshard(async_op=True)``) and waited for when that layer
 starts, as FSDP2's own forward and backward prefetch do. The transfer then overlaps the layer's
 compute, and two layer units are whole at a time instead of one. A pass never prefetches across
 its end, so the order of collectives is the same on every rank (stand-ins run the same passes).
-The reduce-scatters stay synchronous.
+Likewise each layer unit's gradient sum (reduce-scatter) is started when its backward ends and
+waited for when the next layer's backward has run, so the sum overlaps that compute; the unit is
+resharded while its sum runs (the sum reads a copy of the gradients).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class ShardedStep:
     """One step of an FSDP2 model with its units gathered one at a time (module docstring)."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None,
-                 prefetch: bool = True):  # fmt: skip
+                 overlap: bool = True):  # fmt: skip
         layer_ids = {id(m) for m in layers}
         self.group = group
         self.layers: list[_Unit | None] = []
@@ -137,7 +139,7 @@ class ShardedStep:
         self.outer = _Unit(model, [n for n, _ in named], [p for _, p in named])
         self.lockstep = _Lockstep(group, self._stand_in)
         self._agreement: tuple[int, torch.dtype] | None = None
-        self.prefetch = prefetch
+        self.overlap = overlap
         self._pending: dict[int, object] = {}  # layer index -> the handle of its started gather
 
     # ---- the step's frame ---------------------------------------------------------------------
@@ -236,6 +238,7 @@ class ShardedStep:
         _backward(top_roots)
         grad = segments.top.grad if segments is not None and segments.top is not None else None
         by_index = {s.index: s for s in segments.layers} if segments is not None else {}
+        summing: Callable[[], None] | None = None  # the previous layer's gradient sum, in flight
         for index in reversed(range(len(self.layers))):
             segment = by_index.get(index)
             roots = list(layer_roots.get(index, []))
@@ -244,12 +247,17 @@ class ShardedStep:
             unit = self._gather(index, index - 1)
             try:
                 _backward(roots)
+                if summing is not None:  # overlapped this layer's backward; an error drops it
+                    summing()
+                    summing = None
                 if unit is not None:
-                    self._reduce(unit)
+                    summing = self._start_reduce(unit) if self.overlap else self._reduce(unit)
             finally:
                 if unit is not None:
                     unit.module.reshard()
             grad = segment.leaf.grad if segment is not None else None
+        if summing is not None:
+            summing()
         if segments is not None and segments.embedded is not None and grad is not None:
             _backward([(segments.embedded, grad)])
 
@@ -265,7 +273,7 @@ class ShardedStep:
                 handle.wait()
             else:
                 unit.module.unshard()
-        if self.prefetch and 0 <= following < len(self.layers) and self.layers[following] is not None:
+        if self.overlap and 0 <= following < len(self.layers) and self.layers[following] is not None:
             self._pending[following] = self.layers[following].module.unshard(async_op=True)
         return unit
 
@@ -294,8 +302,13 @@ class ShardedStep:
             dist.all_reduce(zeros, group=self.group)
 
     def _reduce(self, unit: _Unit) -> None:
-        """Sum the unit's unsharded gradients over the ranks (zeros where this rank has none) and
-        add this rank's shard to each sharded parameter's ``.grad``; the unsharded gradients are freed.
+        self._start_reduce(unit)()
+
+    def _start_reduce(self, unit: _Unit) -> Callable[[], None]:
+        """Start summing the unit's unsharded gradients over the ranks (zeros where this rank has
+        none); the returned ``finish()`` waits and adds this rank's shard to each sharded
+        parameter's ``.grad``. The unsharded gradients are freed at once (the sums read copies), so
+        the unit can be resharded while the sums run.
 
         Sharded parameters go through one reduce-scatter per dtype (each rank receives only its
         rows, laid out as FSDP2 pads them: every rank's chunk of every parameter padded to the
@@ -309,32 +322,45 @@ class ShardedStep:
         groups: dict[tuple[bool, torch.dtype], list[int]] = {}
         for i, s in enumerate(unit.sharded):
             groups.setdefault((isinstance(s, DTensor), _local(s).dtype), []).append(i)
+        started = []
         for (sharded, dtype), index in groups.items():
             grads = [_grad_or_zeros(full[i]).to(dtype) for i in index]
             if sharded:
-                pieces = _reduce_scatter(grads, [unit.sharded[i] for i in index])
+                started.append((index, True, _start_reduce_scatter(grads, [unit.sharded[i] for i in index])))
             else:
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.group)
-                sizes = [g.numel() for g in grads]
-                pieces = [p.view(g.shape).clone() for p, g in zip(flat.split(sizes), grads, strict=True)]
-            for i, local in zip(index, pieces, strict=True):
-                s = unit.sharded[i]
-                if sharded:
-                    # the shard's own device: the CPU under FSDP2's CPUOffloadPolicy
-                    new = DTensor.from_local(local.to(_local(s).device).contiguous(), s.device_mesh,
-                                             s.placements, shape=s.shape, stride=s.stride())  # fmt: skip
-                else:
-                    new = local
-                s.grad = new if s.grad is None else s.grad + new
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                shapes = [g.shape for g in grads]
+
+                def pieces(flat=flat, work=work, shapes=shapes):
+                    work.wait()
+                    sizes = [int(torch.Size(s).numel()) for s in shapes]
+                    return [p.view(s).clone() for p, s in zip(flat.split(sizes), shapes, strict=True)]
+
+                started.append((index, False, pieces))
         for p in full:
             p.grad = None
 
+        def finish() -> None:
+            for index, sharded, pieces in started:
+                for i, local in zip(index, pieces(), strict=True):
+                    s = unit.sharded[i]
+                    if sharded:
+                        # the shard's own device: the CPU under FSDP2's CPUOffloadPolicy
+                        new = DTensor.from_local(local.to(_local(s).device).contiguous(), s.device_mesh,
+                                                 s.placements, shape=s.shape, stride=s.stride())  # fmt: skip
+                    else:
+                        new = local
+                    s.grad = new if s.grad is None else s.grad + new
 
-def _reduce_scatter(grads: list[Tensor], sharded: list) -> list[Tensor]:
-    """Each whole gradient summed over the mesh's ranks, this rank's shard of each returned: one
-    ``reduce_scatter_tensor`` over a buffer holding, rank after rank, every parameter's chunk
-    (``torch.chunk`` along its shard dimension, as FSDP2 splits it) padded to the largest chunk."""
+        return finish
+
+
+def _start_reduce_scatter(grads: list[Tensor], sharded: list) -> Callable[[], list[Tensor]]:
+    """Start summing each whole gradient over the mesh's ranks; the returned function waits and
+    gives this rank's shard of each. One ``reduce_scatter_tensor`` over a buffer holding, rank
+    after rank, every parameter's chunk (``torch.chunk`` along its shard dimension, as FSDP2 splits
+    it) padded to the largest chunk."""
     mesh = sharded[0].device_mesh
     group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     dims = [_shard_dim(s) for s in sharded]
@@ -355,18 +381,23 @@ def _reduce_scatter(grads: list[Tensor], sharded: list) -> list[Tensor]:
             per_rank[r].append(piece.reshape(-1))
     send = torch.cat([torch.cat(pieces) if pieces else grads[0].new_zeros(0) for pieces in per_rank])
     mine = send.new_empty(send.numel() // world)
-    dist.reduce_scatter_tensor(mine, send, group=group)
-    del send
-    out = []
-    sizes = [int(torch.Size(s).numel()) for s in padded_shapes]
-    for piece, shape, dim, s in zip(mine.split(sizes), padded_shapes, dims, sharded, strict=True):
-        local_rows = s.to_local().shape[dim]
-        local = piece.view(shape).narrow(dim, 0, local_rows)
-        if tuple(local.shape) != tuple(s.to_local().shape):
-            raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} "
-                             f"for a parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")
-        out.append(local.clone())
-    return out
+    work = dist.reduce_scatter_tensor(mine, send, group=group, async_op=True)
+
+    def shards(send=send) -> list[Tensor]:  # ``send`` lives until the sum is done
+        work.wait()
+        del send
+        out = []
+        sizes = [int(torch.Size(s).numel()) for s in padded_shapes]
+        for piece, shape, dim, s in zip(mine.split(sizes), padded_shapes, dims, sharded, strict=True):
+            local_rows = s.to_local().shape[dim]
+            local = piece.view(shape).narrow(dim, 0, local_rows)
+            if tuple(local.shape) != tuple(s.to_local().shape):
+                raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} "
+                                 f"for a parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")
+            out.append(local.clone())
+        return out
+
+    return shards
 
 
 def _grad_or_zeros(p: Tensor) -> Tensor:

@@ -121,7 +121,7 @@ def forest_step(
     """
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
-    with data_parallel_step(model, prefetch=run.prefetch_units) as (module, dp):
+    with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp):
         result, observer = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
     if dp is not None:
         _sum_results(result, dp, observer)

@@ -182,7 +182,7 @@ class RunSection:
     chunk_rows: int = RunConfig.chunk_rows
     recompute_linear: bool = False
     hold_tokens: int = 0
-    prefetch_units: bool = True
+    fsdp_overlap: bool = True
 
     def __post_init__(self):
         _one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
