@@ -325,9 +325,9 @@ class PPOSection:
 
     Each step's old log-probs are computed once, before its first update, with the weights of
     that moment (``old_logprobs = "policy"``; not for ``sft``, which reads none), or read from the
-    file (``"rollout"``: the sampler's); then ``epochs`` passes, each over ``mini_batches`` mini-batches of whole groups,
-    shuffled by (``shuffle_seed``, the step, the epoch); every mini-batch is one optimizer update
-    with its own normalisers.
+    file (``"rollout"``: the sampler's); then ``epochs`` passes, each over ``mini_batches``
+    mini-batches of whole groups, shuffled by (``shuffle_seed``, the step, the epoch); every
+    mini-batch is one optimizer update with its own normalisers.
     """
 
     epochs: int = 1

@@ -217,7 +217,8 @@ def _needs(objective: ObjectiveConfig, reference: bool = False,
                                           f"estimate them from rewards"))  # fmt: skip
     if loss.kind is not LossKind.SFT and (ppo is None or ppo.old_logprobs == "rollout"):
         how = "" if ppo is None else " (ppo.old_logprobs = 'rollout')"
-        needs.append(("rollout_logprobs", True, f"objective.kind = {kind!r} needs the sampler's log-probs{how}"))
+        why = f"objective.kind = {kind!r} needs the sampler's log-probs{how}"
+        needs.append(("rollout_logprobs", True, why))
     if loss.kl_coef > 0 and reference:
         needs.append(("ref_logprobs", False, "[reference] computes the reference log-probs: remove the "
                                              "file's or the [reference] section"))  # fmt: skip

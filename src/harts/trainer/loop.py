@@ -8,8 +8,9 @@ gradient clipping -> optimizer step (of the masters, rounded back into the model
 update (when asked) -> schedule step -> ``zero_grad``. With ``[reference]`` the step's reference
 log-probs are computed first; with ``[ppo]`` its advantages and old log-probs are, and the step
 of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
-groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates. Checkpoints every ``checkpoint.every``
-steps and at the end (:mod:`harts.trainer.checkpoint`); metrics of every step in ``OUT/metrics.jsonl``.
+groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates.
+Checkpoints every ``checkpoint.every`` steps and at the end (:mod:`harts.trainer.checkpoint`);
+metrics of every step in ``OUT/metrics.jsonl``.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -287,7 +288,8 @@ class _Run:
             recorded = (state or {}).get("reference", {}).get("sha256")
             if state is not None and recorded != self.reference_sha256:
                 raise ValueError(
-                    f"reference.model = {config.reference.model!r}: its weights (sha256 {self.reference_sha256}) "
+                    f"reference.model = {config.reference.model!r}: its weights (sha256 "
+                    f"{self.reference_sha256}) "
                     f"are not those {start.path.name} was trained against (sha256 {recorded}): the KL term "
                     f"would change; restore the reference the run started with"
                 )
@@ -352,11 +354,13 @@ class _Run:
         if config.reference is not None:
             ref = config.reference
             what = "the initial weights (a frozen copy)" if ref.initial else ref.model
-            self.say(f"reference {what}: {ref.dtype or config.model.dtype}, {ref.device or config.model.device}, "
-                     f"eval, no grad; its log-probs computed before each step's updates")  # fmt: skip
+            self.say(f"reference {what}: {ref.dtype or config.model.dtype}, "
+                     f"{ref.device or config.model.device}, eval, no grad; its log-probs computed before "
+                     f"each step's updates")  # fmt: skip
         if config.ppo is not None:
             ppo = config.ppo
-            old = "computed with the weights before each step" if ppo.old_logprobs == "policy" else "from the file"
+            old = ("computed with the weights before each step" if ppo.old_logprobs == "policy"
+                   else "from the file")  # fmt: skip
             self.say(f"ppo: {ppo.epochs} epoch{'s' if ppo.epochs > 1 else ''} x {ppo.mini_batches} "
                      f"mini-batch{'es' if ppo.mini_batches > 1 else ''} of whole groups per step: "
                      f"{ppo.updates} optimizer updates per step; old log-probs {old}")  # fmt: skip
@@ -444,7 +448,8 @@ class _Run:
             prune(self.root, self.config.checkpoint.keep_last)
         return path
 
-    def step(self, rollouts: list[Rollout], objective: ObjectiveConfig) -> tuple[StepResult, Forest, float, dict]:
+    def step(self, rollouts: list[Rollout], objective: ObjectiveConfig
+             ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
         config, optim = self.config, self.optim
         try:
             result, forest = train_step(self.wrapped, rollouts, objective, self.loss_config,
@@ -526,7 +531,8 @@ def _loop(run: _Run, resume: bool) -> dict:
                 record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
                                  len(update.rollouts))  # fmt: skip
                 if config.ppo is not None or config.reference is not None:
-                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch, passes_seconds=passes)
+                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch,
+                                  passes_seconds=passes)  # fmt: skip
                     passes = 0.0  # the forward-only passes ran once, before the step's first update
                 if metrics is not None:
                     metrics.write(record)
