@@ -115,9 +115,9 @@ def test_a_run_reads_the_starting_weights_all_along(tmp_path):
     for rollouts in rollout_steps(loaded.data):
         values = forest_logprobs(initial, rollouts, run=loaded.run.run_config(), loss_positions_only=True)
         for r, lp in zip(rollouts, values.logprobs, strict=True):
-            lines.append({"tokens": np.asarray(r.tokens).tolist(), "loss_mask": np.asarray(r.loss_mask).tolist(),
-                          "rollout_logprobs": np.asarray(r.rollout_logprobs).tolist(), "ref_logprobs": lp.tolist(),
-                          "reward": r.reward, "group_id": r.group_id})  # fmt: skip
+            fields = {k: np.asarray(getattr(r, k)).tolist() for k in ("tokens", "loss_mask",
+                                                                     "rollout_logprobs")}  # fmt: skip
+            lines.append({**fields, "ref_logprobs": lp.tolist(), "reward": r.reward, "group_id": r.group_id})
     file = tmp_path / "with_ref.jsonl"
     file.write_text("".join(json.dumps(line) + "\n" for line in lines))
     from_file = _config(tmp_path, data={"path": str(file)}, reference=None)
