@@ -530,10 +530,11 @@ def _loop(run: _Run, resume: bool) -> dict:
                                  run.steps_per_epoch, config.ppo)  # fmt: skip
                 record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
                                  len(update.rollouts))  # fmt: skip
+                if config.ppo is not None:
+                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
                 if config.ppo is not None or config.reference is not None:
-                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch,
-                                  passes_seconds=passes)  # fmt: skip
-                    passes = 0.0  # the forward-only passes ran once, before the step's first update
+                    record["passes_seconds"] = passes  # before the step's first update, once
+                    passes = 0.0
                 if metrics is not None:
                     metrics.write(record)
                 if board is not None:
@@ -559,7 +560,8 @@ def _loop(run: _Run, resume: bool) -> dict:
     if config.logging.plot and run.main:
         run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
     redundancy = position.flat_tokens / max(position.unique_tokens, 1)
-    run.say(f"done: {position.step} steps, {session:.1f} s; {position.unique_tokens:,} unique tokens "
+    unit = "optimizer updates" if config.ppo is not None else "steps"
+    run.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
             f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
             f"(AutoModelForCausalLM.from_pretrained loads it)")  # fmt: skip
     return {"steps": position.step, "checkpoint": str(last), "resumed_from": resumed_from, "seconds": session,
