@@ -118,6 +118,16 @@ def wait_for(process: subprocess.Popen, path: Path, timeout: float = 120.0) -> N
         time.sleep(0.01)
 
 
+def kill_after(config: Path, out: Path, checkpoint: str) -> None:
+    """Start ``harts train CONFIG --out OUT`` and SIGKILL it once ``OUT/checkpoints/CHECKPOINT``
+    appears (no handler runs: whatever it was writing stays half-written)."""
+    process = start_train(config, out)
+    wait_for(process, out / "checkpoints" / checkpoint)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+
+
 def write_small_rollouts(path: Path, groups: int = 6, per_group: int = 3, seed: int = 0) -> Path:
     """A short rollout file of GRPO groups (for runs whose passes are checked against a per-trajectory
     forward): one system prefix, a prompt per group, responses of 3-8 tokens under a loss mask,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -37,11 +36,10 @@ from tests.helpers import (
     CHAT_TEMPLATE,
     CONVERSATION,
     FAMILY,
+    kill_after,
     one_thread,  # noqa: F401 (autouse: one thread)
     run_train,
     save_tokenizer,
-    start_train,
-    wait_for,
     write_config,
     write_small_rollouts,
 )
@@ -177,11 +175,7 @@ def test_a_kill_between_updates_resumes_to_the_same_bytes(tmp_path, capsys):
     config = _config(tmp_path, {"steps": 4}, objective={"kl_coef": 0.1}, reference={"model": "initial"},
                      optimizer={"betas": [0.9, 0.999], "eps": 1e-8}, checkpoint={"every": 2})  # fmt: skip
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    process = start_train(config, killed)
-    wait_for(process, killed / "checkpoints" / "step-000002")
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL
+    kill_after(config, killed, "step-000002")
     for c in list_checkpoints(killed / "checkpoints"):  # as if the kill landed right after update 2
         if c.step > 2:
             shutil.rmtree(c.path)

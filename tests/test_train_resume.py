@@ -26,6 +26,7 @@ from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
 from harts.trainer.loop import train, train_step
 from harts.trainer.optim import build_optimizers
 from tests.helpers import (
+    kill_after,
     one_thread,  # noqa: F401 (autouse: one thread)
     start_train,
     wait_for,
@@ -52,11 +53,7 @@ SECTIONS = dict(
 def test_resume_after_sigkill_is_bit_identical(tmp_path, capsys):
     config = _config(tmp_path)
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    process = start_train(config, killed)
-    wait_for(process, killed / "checkpoints" / "step-000002")
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL
+    kill_after(config, killed, "step-000002")
     done = [c.step for c in list_checkpoints(killed / "checkpoints")]
     assert done and done[-1] < STEPS  # the kill landed mid-run
     # a save the kill cut short, for a later step than any complete one: never read
