@@ -4,8 +4,9 @@ A test module never imports another test module; what two of them share lives he
 per topic, each saying which tests use it. The fp64 reference is in ``tests/reference.py``, the
 torchrun entry point in ``tests/distributed_worker.py``.
 
-- Training runs (``harts train`` configs, one thread): test_rl, test_distributed, test_train_config,
-  test_train_optim, test_train_resume, test_train_run.
+- Training runs (``harts train`` configs, one thread, a run in its own process, a small rollout
+  file): test_rl, test_distributed, test_train_config, test_train_optim, test_train_resume,
+  test_train_run, test_train_reference, test_train_ppo.
 - Random forests (a hypothesis strategy): test_forest, test_plans.
 - Equivalence edge shapes: test_equivalence, test_split, test_full_attention_families.
 - MoE forests and plain expert counts: test_moe_stats, test_full_attention_families.
@@ -21,8 +22,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import json
 import random
+import signal
 import string
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +95,57 @@ def write_config(path: Path, top: dict | None = None, tables: dict | None = None
         lines.append(f"\n[{name}]")
         lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
     path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_train(config: Path, out: Path) -> subprocess.Popen:
+    """``harts train CONFIG --out OUT`` as a real process of its own (to be killed)."""
+    # a shell that runs the suite in the background starts it with SIGINT ignored, which the child
+    # would inherit (and Python would keep): give the child the default disposition, as a terminal's
+    return subprocess.Popen(
+        [sys.executable, "-m", "harts.cli", "train", str(config), "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+
+
+def wait_for(process: subprocess.Popen, path: Path, timeout: float = 120.0) -> None:
+    """Poll until ``path`` exists (the process still running), then return."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"the run ended early: {process.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+
+
+def kill_after(config: Path, out: Path, checkpoint: str) -> None:
+    """Start ``harts train CONFIG --out OUT`` and SIGKILL it once ``OUT/checkpoints/CHECKPOINT``
+    appears (no handler runs: whatever it was writing stays half-written)."""
+    process = start_train(config, out)
+    wait_for(process, out / "checkpoints" / checkpoint)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+
+
+def write_small_rollouts(path: Path, groups: int = 6, per_group: int = 3, seed: int = 0) -> Path:
+    """A short rollout file of GRPO groups (for runs whose passes are checked against a per-trajectory
+    forward): one system prefix, a prompt per group, responses of 3-8 tokens under a loss mask,
+    the sampler's log-probs and 0/1 rewards, every group with both rewards."""
+    rng = random.Random(seed)
+    system = random_tokens(rng, 5)
+    lines = []
+    for g in range(groups):
+        prompt = system + random_tokens(rng, rng.randrange(3, 7))
+        for k in range(per_group):
+            response = random_tokens(rng, rng.randrange(3, 9))
+            tokens = prompt + response
+            lines.append({
+                "tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(response),
+                "rollout_logprobs": [0.0] * len(prompt) + [-rng.uniform(0.5, 4.0) for _ in response],
+                "reward": float(k % 2), "group_id": f"g{g}",
+            })  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
 

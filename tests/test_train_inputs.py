@@ -170,7 +170,7 @@ def test_a_chat_file_under_ppo_is_refused_before_step_1(tmp_path, capsys):
     assert run_train(config, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "chat.jsonl, line 1 (step 1), field 'rollout_logprobs': missing" in err
-    assert "train chat files with objective.kind = 'sft'" in err
+    assert "compute them with [ppo] old_logprobs = 'policy', train with objective.kind = 'sft'" in err
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 

@@ -13,9 +13,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -29,8 +26,10 @@ from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
 from harts.trainer.loop import train, train_step
 from harts.trainer.optim import build_optimizers
 from tests.helpers import (
-    ROOT,
+    kill_after,
     one_thread,  # noqa: F401 (autouse: one thread)
+    start_train,
+    wait_for,
     write_config,
 )
 
@@ -51,33 +50,10 @@ SECTIONS = dict(
 )
 
 
-def _start(config, out):
-    # a shell that runs the suite in the background starts it with SIGINT ignored, which the child
-    # would inherit (and Python would keep): give the child the default disposition, as a terminal's
-    return subprocess.Popen(
-        [sys.executable, "-m", "harts.cli", "train", str(config), "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-
-
-def _wait_for(process, path, timeout=120.0):
-    """Poll until ``path`` exists (the process still running), then return."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, f"the run ended early: {process.communicate()[1][-2000:]}"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.01)
-
-
 def test_resume_after_sigkill_is_bit_identical(tmp_path, capsys):
     config = _config(tmp_path)
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    process = _start(config, killed)
-    _wait_for(process, killed / "checkpoints" / "step-000002")
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL
+    kill_after(config, killed, "step-000002")
     done = [c.step for c in list_checkpoints(killed / "checkpoints")]
     assert done and done[-1] < STEPS  # the kill landed mid-run
     # a save the kill cut short, for a later step than any complete one: never read
@@ -117,8 +93,8 @@ def _without_times(raw: bytes) -> dict:
 def test_ctrl_c_exits_130_and_keeps_the_last_checkpoint(tmp_path):
     config = _config(tmp_path)
     out = tmp_path / "out"
-    process = _start(config, out)
-    _wait_for(process, out / "checkpoints" / "step-000002")
+    process = start_train(config, out)
+    wait_for(process, out / "checkpoints" / "step-000002")
     process.send_signal(signal.SIGINT)
     _, err = process.communicate()
     assert process.returncode == 130, err[-2000:]

@@ -18,6 +18,8 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
     [checkpoint] every, keep_last
     [logging]    every, tensorboard, plot
     [moe]        enabled, aux_loss_coef, bias_update_speed
+    [reference]  model ("initial" | a local HF directory), dtype, device: the KL term's reference
+    [ppo]        epochs, mini_batches, shuffle_seed, old_logprobs ("policy" | "rollout")
 
 Relative paths are resolved against the config file's directory, so a config and its data can
 move together.
@@ -49,8 +51,8 @@ from harts.testing import ALL_FAMILIES
 
 __all__ = [
     "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
-    "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "load_config", "parse_config",
-    "DTYPES",
+    "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "ReferenceSection", "PPOSection",
+    "load_config", "parse_config", "DTYPES", "INITIAL",
 ]  # fmt: skip
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -295,6 +297,56 @@ class DistributedSection:
             raise ValueError(f"distributed.timeout_s: expected > 0, got {self.timeout_s}")
 
 
+#: ``reference.model`` for the run's starting weights
+INITIAL = "initial"
+
+
+@dataclass(frozen=True)
+class ReferenceSection:
+    """The KL term's reference policy, run by the trainer: ``model`` is ``"initial"`` (the run's
+    starting weights, a frozen copy) or a local Hugging Face directory. It runs in eval mode
+    without autograd; ``dtype`` / ``device`` default to the policy's (``[model]``)."""
+
+    model: str
+    dtype: str | None = None
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.dtype is not None:
+            _one_of("reference.dtype", self.dtype, DTYPES)
+
+    @property
+    def initial(self) -> bool:
+        return self.model == INITIAL
+
+
+@dataclass(frozen=True)
+class PPOSection:
+    """Several optimizer updates per step of rollouts (PPO's epochs over mini-batches).
+
+    Each step's old log-probs are computed once, before its first update, with the weights of
+    that moment (``old_logprobs = "policy"``; not for ``sft``, which reads none), or read from the
+    file (``"rollout"``: the sampler's); then ``epochs`` passes, each over ``mini_batches``
+    mini-batches of whole groups, shuffled by (``shuffle_seed``, the step, the epoch); every
+    mini-batch is one optimizer update with its own normalisers.
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+    shuffle_seed: int | None = None  # None: the top-level seed
+    old_logprobs: str = "policy"
+
+    def __post_init__(self):
+        _positive_int("ppo.epochs", self.epochs)
+        _positive_int("ppo.mini_batches", self.mini_batches)
+        _one_of("ppo.old_logprobs", self.old_logprobs, ("policy", "rollout"))
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per step of rollouts."""
+        return self.epochs * self.mini_batches
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """A whole run. ``steps`` or ``epochs`` (default: one epoch) sets its length."""
@@ -309,6 +361,8 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoESection = field(default_factory=MoESection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    reference: ReferenceSection | None = None
+    ppo: PPOSection | None = None
     seed: int = 0
     steps: int | None = None
     epochs: int | None = None
@@ -329,12 +383,21 @@ class TrainConfig:
         _positive_int("threads", self.threads)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm: expected >= 0, got {self.max_grad_norm}")
+        if self.reference is not None and not self.objective.kl_coef > 0:
+            raise ValueError("reference: objective.kl_coef is 0, so nothing would read the reference's "
+                             "log-probs: set objective.kl_coef or remove [reference]")  # fmt: skip
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per step of rollouts: ``ppo.epochs * ppo.mini_batches``, else 1."""
+        return 1 if self.ppo is None else self.ppo.updates
 
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "objective": ObjectiveConfig, "run": RunSection,
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "moe": MoESection, "distributed": DistributedSection,
+    "reference": ReferenceSection, "ppo": PPOSection,
 }  # fmt: skip
 _NOT_KEYS = {"source", "text", "table"}
 _PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out")}
@@ -380,7 +443,8 @@ def _convert(key: str, value, hint):
 def _build(cls, table: dict, section: str, base: Path):
     """``cls`` from one TOML table: unknown keys refused (listing the valid ones), types checked."""
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_KEYS and f.name not in SECTIONS]
+    names = [f.name for f in dataclasses.fields(cls)
+             if f.name not in _NOT_KEYS and (section or f.name not in SECTIONS)]  # fmt: skip
     where = f"[{section}]" if section else "the top level"
     kwargs = {}
     for key, value in table.items():
@@ -392,6 +456,8 @@ def _build(cls, table: dict, section: str, base: Path):
         value = _convert(dotted, value, hints[key])
         if (section, key) in _PATH_KEYS:
             value = (base / value.expanduser()).resolve()
+        elif (section, key) == ("reference", "model") and value != INITIAL:  # a directory, or "initial"
+            value = str((base / Path(value).expanduser()).resolve())
         kwargs[key] = value
     missing = [f.name for f in dataclasses.fields(cls) if f.name in names and f.name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
@@ -440,6 +506,12 @@ def check_paths(config: TrainConfig) -> None:
         raise FileNotFoundError(
             f"model.path: {path}: not a local Hugging Face model directory (no config.json); "
             f"harts train reads local directories only"
+        )
+    ref = config.reference
+    if ref is not None and not ref.initial and not (Path(ref.model) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"reference.model: {ref.model}: not a local Hugging Face model directory (no config.json); "
+            f"give one, or \"{INITIAL}\" for the run's starting weights"
         )
 
 

@@ -33,12 +33,12 @@ from harts.objectives.advantages import AdvantageEstimator
 from harts.objectives.losses import LossKind
 from harts.objectives.rollout import Rollout
 from harts.testing import tiny_config, tiny_model
-from harts.trainer.config import DataConfig, ModelConfig, ObjectiveConfig
+from harts.trainer.config import DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
 __all__ = [
     "Position", "load_model", "own_memory", "rollout_steps", "count_steps", "data_stream", "fingerprint",
     "rng_state", "set_rng_state", "seed_everything", "DataCheck", "check_data", "model_vocab_size",
-    "check_embedding", "data_change", "ACCEPT_CHANGED_DATA",
+    "check_embedding", "data_change", "ACCEPT_CHANGED_DATA", "group_spans", "count_groups",
 ]  # fmt: skip
 
 #: the ``harts train`` flag that resumes on a changed rollout file
@@ -47,7 +47,9 @@ ACCEPT_CHANGED_DATA = "--accept-changed-data"
 
 @dataclass
 class Position:
-    """Where a run stands: steps done, the next step's (epoch, index) in the file, running totals."""
+    """Where a run stands: optimizer updates done (``step``), the (epoch, index) in the file of the
+    step of rollouts in progress or next, and within it the next update's PPO epoch and
+    mini-batch (both 0 between steps of rollouts, and always without ``[ppo]``); running totals."""
 
     step: int = 0
     epoch: int = 0
@@ -56,10 +58,24 @@ class Position:
     unique_tokens: int = 0
     flat_tokens: int = 0
     seconds: float = 0.0
+    ppo_epoch: int = 0
+    mini_batch: int = 0
 
-    def advance(self, rollouts: int, unique: int, flat: int, seconds: float, steps_per_epoch: int) -> None:
+    @property
+    def within_step(self) -> bool:
+        """Whether some but not all updates of the current step of rollouts are done."""
+        return (self.ppo_epoch, self.mini_batch) != (0, 0)
+
+    def advance(self, rollouts: int, unique: int, flat: int, seconds: float, steps_per_epoch: int,
+                ppo: PPOSection | None = None) -> None:  # fmt: skip
+        """One optimizer update done (over ``rollouts`` rollouts); the next step of rollouts once
+        its ``ppo.epochs`` x ``ppo.mini_batches`` updates are."""
         self.step += 1
-        self.index += 1
+        self.mini_batch += 1
+        if self.mini_batch == (ppo.mini_batches if ppo else 1):
+            self.ppo_epoch, self.mini_batch = self.ppo_epoch + 1, 0
+        if self.ppo_epoch == (ppo.epochs if ppo else 1):
+            self.ppo_epoch, self.index = 0, self.index + 1
         if self.index == steps_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         self.rollouts += rollouts
@@ -182,8 +198,10 @@ def model_vocab_size(config: ModelConfig) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _needs(objective: ObjectiveConfig) -> list[tuple[str, bool, str]]:
-    """(field, whether a line must have it (else: must not), why) for what ``objective`` reads."""
+def _needs(objective: ObjectiveConfig, reference: bool = False,
+           ppo: PPOSection | None = None) -> list[tuple[str, bool, str]]:  # fmt: skip
+    """(field, whether a line must have it (else: must not), why) for what ``objective`` reads,
+    given whether a ``[reference]`` computes the reference log-probs and ``[ppo]`` the old ones."""
     loss = objective.loss_config()
     kind, estimator = loss.kind.value, objective.advantage
     needs = []
@@ -197,19 +215,27 @@ def _needs(objective: ObjectiveConfig) -> list[tuple[str, bool, str]]:
         needs.append(("advantages", True, f"objective.kind = {kind!r} needs advantages: give every line "
                                           f"'advantages', or set objective.advantage ({estimators}) to "
                                           f"estimate them from rewards"))  # fmt: skip
-    if loss.kind is not LossKind.SFT:
-        needs.append(("rollout_logprobs", True, f"objective.kind = {kind!r} needs the sampler's log-probs"))
-    if loss.kl_coef > 0:
-        needs.append(("ref_logprobs", True, f"objective.kl_coef = {loss.kl_coef} needs reference log-probs"))
+    if loss.kind is not LossKind.SFT and (ppo is None or ppo.old_logprobs == "rollout"):
+        how = "" if ppo is None else " (ppo.old_logprobs = 'rollout')"
+        why = f"objective.kind = {kind!r} needs the sampler's log-probs{how}"
+        needs.append(("rollout_logprobs", True, why))
+    if loss.kl_coef > 0 and reference:
+        needs.append(("ref_logprobs", False, "[reference] computes the reference log-probs: remove the "
+                                             "file's or the [reference] section"))  # fmt: skip
+    elif loss.kl_coef > 0:
+        needs.append(("ref_logprobs", True, f"objective.kl_coef = {loss.kl_coef} needs reference log-probs "
+                                            f"(or a [reference] section to compute them)"))  # fmt: skip
     return needs
 
 
-_CHAT_LOGPROBS = (" (the chat form has none, its text being tokenised anew: train chat files with "
-                  "objective.kind = 'sft', or log the token form)")  # fmt: skip
+_CHAT_LOGPROBS = (" (the chat form has none, its text being tokenised anew: compute them with "
+                  "[ppo] old_logprobs = 'policy', train with objective.kind = 'sft', or log the token "
+                  "form)")  # fmt: skip
 
 
 def check_data(
-    data: DataConfig, objective: ObjectiveConfig | None = None, vocab_size: int | None = None
+    data: DataConfig, objective: ObjectiveConfig | None = None, vocab_size: int | None = None,
+    reference: bool = False, ppo: PPOSection | None = None,
 ) -> DataCheck:
     """One pass over the rollout file that checks all of it before any compute, one step in memory.
 
@@ -217,10 +243,12 @@ def check_data(
     NaN/inf, log-probs, groups on consecutive lines, the same annotations within each step) with
     token ids below ``vocab_size`` (the model's), and, given ``objective``, the fields it needs on
     every line (advantages or rewards unless SFT, ``rollout_logprobs`` for PPO and GSPO,
-    ``ref_logprobs`` for a KL term). A ValueError names the file, the line and the step.
+    ``ref_logprobs`` for a KL term, unless ``reference`` or ``ppo`` computes them), and at least
+    ``ppo.mini_batches`` groups in every step (a group is never split). A ValueError names the
+    file, the line and the step.
     """
     tokenizer = None if data.tokenizer is None else str(data.tokenizer)
-    needs = _needs(objective) if objective is not None else []
+    needs = _needs(objective, reference, ppo) if objective is not None else []
     steps = rollouts = 0
     form = "tokens"
     extra: dict[str, tuple[int, str]] = {}
@@ -228,6 +256,12 @@ def check_data(
     batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size)
     for steps, batch in enumerate(batches, 1):
         rollouts += len(batch)
+        if ppo is not None and (groups := count_groups([item.rollout for item in batch])) < ppo.mini_batches:
+            raise ValueError(
+                f"{batch[0].where} (step {steps}): ppo.mini_batches = {ppo.mini_batches}, but this step has "
+                f"{groups} group{'s' if groups > 1 else ''} ({len(batch)} rollouts) and a group is never "
+                f"split across mini-batches: lower ppo.mini_batches or raise data.rollouts_per_step"
+            )
         for item in batch:
             form = item.form
             for field, wanted, why in needs:
@@ -246,6 +280,22 @@ def check_data(
     if steps == 0:
         raise ValueError(f"data.path: {data.path} holds no rollouts")
     return DataCheck(steps, rollouts, form, extra, top)
+
+
+def group_spans(rollouts: list[Rollout]) -> list[range]:
+    """The groups of a step as ranges of its rollouts: consecutive rollouts of one ``group_id``
+    (the file keeps a group's lines together); a rollout without one is a group of its own."""
+    spans: list[range] = []
+    for i, r in enumerate(rollouts):
+        if spans and r.group_id is not None and rollouts[i - 1].group_id == r.group_id:
+            spans[-1] = range(spans[-1].start, i + 1)
+        else:
+            spans.append(range(i, i + 1))
+    return spans
+
+
+def count_groups(rollouts: list[Rollout]) -> int:
+    return len(group_spans(rollouts))
 
 
 def check_embedding(model: torch.nn.Module, check: DataCheck) -> None:

@@ -5,8 +5,12 @@ Each step: the next ``rollouts_per_step`` rollouts (whole groups) -> the forest 
 rollouts carry rewards instead -> :func:`harts.forest_step` (forward and backward, every shared
 token once) -> the gradients cast into the fp32 master weights (a bf16 or fp16 model) ->
 gradient clipping -> optimizer step (of the masters, rounded back into the model) -> MoE bias
-update (when asked) -> schedule step -> ``zero_grad``. Checkpoints every ``checkpoint.every``
-steps and at the end (:mod:`harts.trainer.checkpoint`); metrics of every step in ``OUT/metrics.jsonl``.
+update (when asked) -> schedule step -> ``zero_grad``. With ``[reference]`` the step's reference
+log-probs are computed first; with ``[ppo]`` its advantages and old log-probs are, and the step
+of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
+groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates.
+Checkpoints every ``checkpoint.every`` steps and at the end (:mod:`harts.trainer.checkpoint`);
+metrics of every step in ``OUT/metrics.jsonl``.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -72,6 +76,7 @@ from harts.trainer.inputs import (
     set_rng_state,
 )
 from harts.trainer.optim import build_optimizers, freeze_routers
+from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
 from harts.trainer.progress import MetricsLog, TensorBoard, progress_line, write_plot
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
@@ -235,6 +240,7 @@ class _Run:
         self.config, self.out, self.log = config, out, log
         self.accept_changed_data, self.data_changed = accept_changed_data, False
         self.root = out / "checkpoints"
+        self.current: StepUpdates | None = None  # the step of rollouts whose updates are running
         d = config.distributed
         self.ranks = start_ranks(d.strategy, d.balance, d.timeout_s, config.model.device)
 
@@ -250,9 +256,14 @@ class _Run:
     def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
         # the whole file checked (the model's vocabulary, the objective's fields) before anything runs
-        self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model))
+        if self.ranks is not None and (config.reference is not None or config.ppo is not None):
+            raise ValueError("[reference] and [ppo] run on one process: their forward-only passes are not "
+                             "split over ranks yet; start harts train without torchrun")  # fmt: skip
+        self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
+                                     reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
         self.steps_per_epoch, rollouts_per_epoch = self.data_check.steps, self.data_check.rollouts
-        self.total = config.steps or (config.epochs or 1) * self.steps_per_epoch
+        # optimizer updates: ppo.epochs x ppo.mini_batches per step of rollouts
+        self.total = (config.steps or (config.epochs or 1) * self.steps_per_epoch) * config.updates_per_step
         self.data_print = {**fingerprint(config.data.path), "rollouts": rollouts_per_epoch,
                            "steps_per_epoch": self.steps_per_epoch}  # fmt: skip
         start = None
@@ -270,6 +281,18 @@ class _Run:
         seed_everything(config.seed)
         self.model = load_model(config.model, config.seed, start.path if start else None)
         check_embedding(self.model, self.data_check)
+        self.reference, self.reference_sha256, self.saved_old = None, None, None
+        if config.reference is not None:
+            self.reference = load_reference(config.reference, config.model, config.seed)
+            self.reference_sha256 = weights_sha256(self.reference)
+            recorded = (state or {}).get("reference", {}).get("sha256")
+            if state is not None and recorded != self.reference_sha256:
+                raise ValueError(
+                    f"reference.model = {config.reference.model!r}: its weights (sha256 "
+                    f"{self.reference_sha256}) "
+                    f"are not those {start.path.name} was trained against (sha256 {recorded}): the KL term "
+                    f"would change; restore the reference the run started with"
+                )
         frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
         self.wrapped = self.model
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
@@ -306,6 +329,12 @@ class _Run:
                 self.optim.load_state_dict(trainer["optimizers"])
             set_rng_state(trainer["rng"])
             self.position = Position(**state["position"])
+            self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
+            if self.data_changed and self.position.within_step:
+                self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
+                         f"file that step starts over from its first update")  # fmt: skip
+                self.position.ppo_epoch = self.position.mini_batch = 0
+                self.saved_old = None
             if self.data_changed and self.position.fit(self.steps_per_epoch):
                 self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
                          f"start of epoch {self.position.epoch}")  # fmt: skip
@@ -318,11 +347,35 @@ class _Run:
         self.say(f"model {name} ({params / 1e6:.2f}M parameters, {config.model.dtype}, "
                  f"{config.model.device}, {threads} thread{'s' if threads > 1 else ''}); {split.describe()}"
                  f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
+        steps = (f"{self.total // config.updates_per_step} steps, {self.total} optimizer updates"
+                 if config.ppo is not None else f"{self.total} steps")  # fmt: skip
         self.say(f"data {config.data.path.name}: {rollouts_per_epoch} rollouts, {self.steps_per_epoch} "
-                 f"steps per epoch; {self.total} steps; out {self.out}")  # fmt: skip
+                 f"steps per epoch; {steps}; out {self.out}")  # fmt: skip
+        if config.reference is not None:
+            ref = config.reference
+            what = "the initial weights (a frozen copy)" if ref.initial else ref.model
+            self.say(f"reference {what}: {ref.dtype or config.model.dtype}, "
+                     f"{ref.device or config.model.device}, eval, no grad; its log-probs computed before "
+                     f"each step's updates")  # fmt: skip
+        if config.ppo is not None:
+            ppo = config.ppo
+            old = ("computed with the weights before each step" if ppo.old_logprobs == "policy"
+                   else "from the file")  # fmt: skip
+            self.say(f"ppo: {ppo.epochs} epoch{'s' if ppo.epochs > 1 else ''} x {ppo.mini_batches} "
+                     f"mini-batch{'es' if ppo.mini_batches > 1 else ''} of whole groups per step: "
+                     f"{ppo.updates} optimizer updates per step; old log-probs {old}")  # fmt: skip
         if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
             self.say(f"warning: {fields}")
         return start
+
+    def prepare(self, rollouts: list[Rollout]) -> StepUpdates:
+        """The step of rollouts at the run's position, ready for its updates (reference and old
+        log-probs, advantages); between two of its updates (a resume) with the saved old log-probs."""
+        saved, self.saved_old = self.saved_old, None
+        try:
+            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved)
+        except ValueError as exc:
+            raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
 
     def _check_resume(self, start: Checkpoint, state: dict) -> None:
         change = data_change(state["data"], self.data_print, start.path.name, self.config.data.path,
@@ -367,6 +420,8 @@ class _Run:
             "data": {"path": str(self.config.data.path), **self.data_print},
             "versions": _versions(),
         }
+        if self.reference_sha256 is not None:
+            state["reference"] = {"model": self.config.reference.model, "sha256": self.reference_sha256}
 
         if self.ranks is not None:
             state["world_size"] = self.ranks.world_size
@@ -381,6 +436,8 @@ class _Run:
             trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(),
                        "params": self.param_names,
                        "master_weights": self.optim.masters is not None}  # fmt: skip
+            if position.within_step and self.current is not None and self.current.old is not None:
+                trainer["old_logprobs"] = self.current.old  # the weights that computed them are gone
             torch.save(trainer, directory / TRAINER_STATE)
             (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
             (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
@@ -391,10 +448,11 @@ class _Run:
             prune(self.root, self.config.checkpoint.keep_last)
         return path
 
-    def step(self, rollouts: list[Rollout]) -> tuple[StepResult, Forest, float, dict]:
+    def step(self, rollouts: list[Rollout], objective: ObjectiveConfig
+             ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
         config, optim = self.config, self.optim
         try:
-            result, forest = train_step(self.wrapped, rollouts, config.objective, self.loss_config,
+            result, forest = train_step(self.wrapped, rollouts, objective, self.loss_config,
                                         self.run_config, self.moe, self.ranks)  # fmt: skip
         except ValueError as exc:
             raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
@@ -457,26 +515,38 @@ def _loop(run: _Run, resume: bool) -> dict:
     stream = data_stream(config.data, position.epoch, position.index)
     try:
         while position.step < run.total:
-            epoch, _, rollouts = next(stream)
-            began = time.perf_counter()
-            result, forest, grad_norm, lrs = run.step(rollouts)
-            seconds = time.perf_counter() - began
-            session += seconds
-            position.advance(len(rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
-                             run.steps_per_epoch)  # fmt: skip
-            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds, len(rollouts))
-            if metrics is not None:
-                metrics.write(record)
-            if board is not None:
-                board.write(record)
-            every = config.checkpoint.every
-            done = position.step == run.total
-            if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
-                eta = session / (position.step - resumed_from) * (run.total - position.step)
-                print(progress_line(record, run.total, eta), file=run.log, flush=True)
-            if done or (every and position.step % every == 0):
-                last = run.save()
-                run.say(f"checkpoint {last}")
+            epoch, index, rollouts = next(stream)
+            run.current = step = run.prepare(rollouts)
+            passes = step.seconds
+            session += passes
+            for update in step.updates(config.seed, epoch, index, (position.ppo_epoch, position.mini_batch)):
+                if position.step == run.total:
+                    break
+                began = time.perf_counter()
+                result, forest, grad_norm, lrs = run.step(update.rollouts, step.objective)
+                seconds = time.perf_counter() - began
+                session += seconds
+                position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
+                                 run.steps_per_epoch, config.ppo)  # fmt: skip
+                record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
+                                 len(update.rollouts))  # fmt: skip
+                if config.ppo is not None:
+                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
+                if config.ppo is not None or config.reference is not None:
+                    record["passes_seconds"] = passes  # before the step's first update, once
+                    passes = 0.0
+                if metrics is not None:
+                    metrics.write(record)
+                if board is not None:
+                    board.write(record)
+                every = config.checkpoint.every
+                done = position.step == run.total
+                if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
+                    eta = session / (position.step - resumed_from) * (run.total - position.step)
+                    print(progress_line(record, run.total, eta), file=run.log, flush=True)
+                if done or (every and position.step % every == 0):
+                    last = run.save()
+                    run.say(f"checkpoint {last}")
     except KeyboardInterrupt:
         done = list_checkpoints(run.root)  # published whole or not at all: the newest is complete
         where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
@@ -490,7 +560,8 @@ def _loop(run: _Run, resume: bool) -> dict:
     if config.logging.plot and run.main:
         run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
     redundancy = position.flat_tokens / max(position.unique_tokens, 1)
-    run.say(f"done: {position.step} steps, {session:.1f} s; {position.unique_tokens:,} unique tokens "
+    unit = "optimizer updates" if config.ppo is not None else "steps"
+    run.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
             f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
             f"(AutoModelForCausalLM.from_pretrained loads it)")  # fmt: skip
     return {"steps": position.step, "checkpoint": str(last), "resumed_from": resumed_from, "seconds": session,

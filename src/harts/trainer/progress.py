@@ -64,6 +64,7 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
     parts = [
         f"step {record['step']}/{total}",
         f"epoch {record['epoch']}",
+        *([f"ppo {record['ppo_epoch']}.{record['mini_batch']}"] if "mini_batch" in record else []),
         f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.2e}",
         f"gnorm {record['grad_norm']:.3g}",
