@@ -34,7 +34,6 @@ router's arithmetic (scores, correction bias, normalisation) still runs and is c
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -43,6 +42,7 @@ import harts
 from harts.integrations import batch_step
 from harts.testing import FAMILIES, tiny_config, tiny_model
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
+from tests.precision import UNIT_ROUNDOFF, angle, global_relative_error, ulp
 from tests.reference import exact_linear_kernels, fp64_copy, param_grads
 
 # One small tree: a shared prefix, branches at two depths, an unrelated root.
@@ -53,13 +53,6 @@ TRAJECTORIES = [
     [40, 41, 42, 43],
 ]
 SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # the plain SFT sum
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def ulp(value: float, dtype: torch.dtype) -> float:
-    """The spacing of ``dtype`` at |value|."""
-    mantissa = torch.finfo(dtype).eps  # ulp(1)
-    return mantissa * 2.0 ** math.floor(math.log2(max(abs(value), torch.finfo(dtype).tiny)))
 
 
 def every_expert(family: str) -> dict:
@@ -132,20 +125,6 @@ def tree(model, dtype):
             model, rollouts, harts.PolicyLossConfig(kind="sft"), normalizers=SUM, budget_tokens=7
         )
     return logits, logprobs, param_grads(model)
-
-
-def angle(a: torch.Tensor, b: torch.Tensor) -> float:
-    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).clamp(-1, 1)
-    return math.acos(cos.item())
-
-
-def global_relative_error(got: dict, exact: dict) -> float:
-    """||got - exact|| / ||exact|| over all parameters' gradients together: the error in the update
-    an optimiser applies. Single decay parameters (``A_log``, ``dt_bias``) are sums with heavy
-    cancellation whose relative error in low precision is a coin toss of rounding order, for stock
-    as for harts; their sizes are in the whole vector's error all the same."""
-    diff = sum(((got[k].double() - r) ** 2).sum().item() for k, r in exact.items())
-    return math.sqrt(diff) / math.sqrt(sum((r**2).sum().item() for r in exact.values()))
 
 
 def errors(got, exact) -> dict:
