@@ -29,133 +29,32 @@ top-k selection is discontinuous, and a token whose k-th and (k+1)-th scores lie
 of each other gets a different expert by chance, in stock as in harts (a measured jump of one
 logit by ~1 either way, which says nothing about the arithmetic). With every expert chosen the
 router's arithmetic (scores, correction bias, normalisation) still runs and is compared.
+
+The tree, the truth, the two runs and the bounds are in ``tests/precision.py``, which the CUDA
+check (tests/test_gpu_precision.py) runs too: this module is its CPU counterpart.
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import pytest
 import torch
 
 import harts
 from harts.integrations import batch_step
-from harts.testing import FAMILIES, tiny_config, tiny_model
+from harts.testing import FAMILIES, tiny_model
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
-from tests.reference import exact_linear_kernels, fp64_copy, param_grads
-
-# One small tree: a shared prefix, branches at two depths, an unrelated root.
-TRAJECTORIES = [
-    [5, 6, 7, 8, 9, 10, 11, 12, 13],
-    [5, 6, 7, 8, 20, 21, 22],
-    [5, 6, 7, 30, 31],
-    [40, 41, 42, 43],
-]
-SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # the plain SFT sum
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def ulp(value: float, dtype: torch.dtype) -> float:
-    """The spacing of ``dtype`` at |value|."""
-    mantissa = torch.finfo(dtype).eps  # ulp(1)
-    return mantissa * 2.0 ** math.floor(math.log2(max(abs(value), torch.finfo(dtype).tiny)))
-
-
-def every_expert(family: str) -> dict:
-    """Config overrides that make the family's MoE layers choose every expert (module docstring)."""
-    config = tiny_config(family)
-    experts = next((getattr(config, k) for k in ("n_routed_experts", "num_local_experts", "num_experts")
-                    if getattr(config, k, None)), None)  # fmt: skip
-    if experts is None or not hasattr(config, "num_experts_per_tok"):
-        return {}
-    overrides = {"num_experts_per_tok": experts}
-    if getattr(config, "n_group", None):
-        overrides["topk_group"] = config.n_group
-    return overrides
-
-
-@functools.cache
-def model_of(family: str):
-    return tiny_model(family, seed=7, **every_expert(family))
-
-
-def sft_rows(logits: torch.Tensor, trajectory) -> torch.Tensor:
-    """Next-token log-probs: the log-softmax in fp32 (fp64 for the truth), as stock losses take it."""
-    ids = torch.tensor(trajectory)
-    logits = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
-
-
-@functools.cache
-def truth(family: str):
-    """fp64 logits, next-token log-probs and SFT-sum gradients, one stock forward per trajectory."""
-    model64 = fp64_copy(model_of(family))
-    model64.zero_grad(set_to_none=True)
-    logits, logprobs = [], []
-    with exact_linear_kernels(model64):
-        for t in TRAJECTORIES:
-            out = model64(input_ids=torch.tensor([t])).logits[0]
-            lp = sft_rows(out, t)
-            (-lp.sum()).backward()
-            logits.append(out.detach())
-            logprobs.append(lp.detach())
-    return logits, logprobs, param_grads(model64)
-
-
-def stock(model, dtype):
-    """The stock forward of each trajectory alone under autocast; backward outside it, as trainers do."""
-    model.zero_grad(set_to_none=True)
-    logits, logprobs = [], []
-    for t in TRAJECTORIES:
-        with torch.autocast("cpu", dtype=dtype):
-            out = model(input_ids=torch.tensor([t])).logits[0]
-            lp = sft_rows(out, t)  # the loss's log-softmax in fp32 over the low-precision logits
-        (-lp.sum()).backward()
-        logits.append(out.detach().double())
-        logprobs.append(lp.detach().double())
-    return logits, logprobs, param_grads(model)
-
-
-def tree(model, dtype):
-    """harts.forward's logits and log-probs under autocast, and the SFT sum's gradients through
-    ``rollout_step`` in micro-batches of at most 7 tokens (hand-overs between them)."""
-    forest = harts.build_forest(TRAJECTORIES)
-    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-        out = harts.forward(model, forest)
-        logits = [out.trajectory_logits(i).double() for i in range(len(TRAJECTORIES))]
-        logprobs = [out.trajectory_logprobs(i).double() for i in range(len(TRAJECTORIES))]
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=dtype):
-        rollouts = [harts.Rollout(t) for t in TRAJECTORIES]
-        harts.rollout_step(
-            model, rollouts, harts.PolicyLossConfig(kind="sft"), normalizers=SUM, budget_tokens=7
-        )
-    return logits, logprobs, param_grads(model)
-
-
-def angle(a: torch.Tensor, b: torch.Tensor) -> float:
-    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).clamp(-1, 1)
-    return math.acos(cos.item())
-
-
-def global_relative_error(got: dict, exact: dict) -> float:
-    """||got - exact|| / ||exact|| over all parameters' gradients together: the error in the update
-    an optimiser applies. Single decay parameters (``A_log``, ``dt_bias``) are sums with heavy
-    cancellation whose relative error in low precision is a coin toss of rounding order, for stock
-    as for harts; their sizes are in the whole vector's error all the same."""
-    diff = sum(((got[k].double() - r) ** 2).sum().item() for k, r in exact.items())
-    return math.sqrt(diff) / math.sqrt(sum((r**2).sum().item() for r in exact.values()))
-
-
-def errors(got, exact) -> dict:
-    """Per trajectory: log-prob max error and logit angle; the whole gradient's relative error."""
-    logits, logprobs, grads = got
-    return {
-        "logprob": [(a - b).abs().max().item() for a, b in zip(logprobs, exact[1], strict=True)],
-        "angle": [angle(a, b) for a, b in zip(logits, exact[0], strict=True)],
-        "grad": global_relative_error(grads, exact[2]),
-    }
+from tests.precision import (
+    SUM,
+    TRAJECTORIES,
+    errors,
+    global_relative_error,
+    model_of,
+    no_worse_failures,
+    stock,
+    tree,
+    truth,
+)
+from tests.reference import param_grads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -164,22 +63,8 @@ def test_autocast_no_worse_than_stock(family, dtype):
     model = model_of(family)
     exact = truth(family)
     theirs, mine = errors(stock(model, dtype), exact), errors(tree(model, dtype), exact)
-    u = UNIT_ROUNDOFF[dtype]
-    for i, lp in enumerate(exact[1]):
-        bound = 2 * theirs["logprob"][i] + 2 * ulp(lp.abs().max().item(), dtype)
-        assert mine["logprob"][i] <= bound, (
-            f"trajectory {i}: log-prob error {mine['logprob'][i]:.3g} > {bound:.3g} "
-            f"(stock {theirs['logprob'][i]:.3g})"
-        )
-        bound = 2 * theirs["angle"][i] + 4 * u
-        assert mine["angle"][i] <= bound, (
-            f"trajectory {i}: logit angle {mine['angle'][i]:.3g} > {bound:.3g} "
-            f"(stock {theirs['angle'][i]:.3g})"
-        )
-    bound = 2 * theirs["grad"] + 4 * u
-    assert mine["grad"] <= bound, (
-        f"gradient error {mine['grad']:.3g} > {bound:.3g} (stock {theirs['grad']:.3g})"
-    )
+    failures = no_worse_failures(theirs, mine, exact, dtype)
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.parametrize("family", FAMILIES[:1])

@@ -167,8 +167,14 @@ def test_unsupported_setups_are_refused(model_dir, tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128)).save_pretrained(gpt2_dir)
     with pytest.raises(ValueError, match="harts does not run model family 'gpt2'"):
         train(GRPOTrainer, gpt2_dir, tmp_path)
-    with pytest.raises(ValueError, match="mixed precision 'bf16'"):
-        GRPOTrainer(
-            model=str(model_dir), reward_funcs=Recorder(), args=config(tmp_path, bf16=True),
-            processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        )  # fmt: skip
+    # bf16 runs (tests/test_integrations_trl_bf16.py); fp16, and a head TRL would run outside autocast, not
+    refused = {
+        "mixed precision 'fp16'": {"bf16": False, "fp16": True},
+        "cast_lm_head_to_fp32=True under bf16": {"bf16": True, "cast_lm_head_to_fp32": True},
+    }
+    for match, precision in refused.items():
+        with pytest.raises(ValueError, match=match):
+            GRPOTrainer(
+                model=str(model_dir), reward_funcs=Recorder(), args=config(tmp_path, **precision),
+                processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            )  # fmt: skip

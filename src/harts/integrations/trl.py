@@ -25,10 +25,19 @@ gradients of TRL's loss. Two ways in:
   returns; it hands the Trainer a leaf holding the loss's value, whose backward reaches no
   parameter.
 
+Mixed precision: with ``bf16=True`` (TRL's default) accelerate wraps the prepared model's forward
+in ``torch.autocast`` (bf16, CPU or CUDA); harts calls the model's modules, not that forward, so
+its forward-only passes and its step enter the same autocast (``accelerator.autocast()``), and
+TRL's loss runs outside it, as in stock. harts' ops take the stock ops' autocast policy
+(:mod:`harts.ops.precision`): its log-probs and updates are no farther from the fp32 truth than
+twice stock TRL's under the same setting plus a few bf16 roundings (tests/test_integrations_trl_bf16.py;
+docs/integrations/trl.md has the figures).
+
 Refused, with an error naming the option, before the first step: models harts does not run
 (:func:`harts.supported_families`), vision inputs, the MoE load-balancing loss through TRL
-(``router_aux_loss_coef``; harts' own is ``harts.MoEConfig``), TRL's bf16/fp16 autocast (the
-default ``bf16=True``: set ``bf16=False`` and load the model in bf16 instead), accelerate's
+(``router_aux_loss_coef``; harts' own is ``harts.MoEConfig``), ``fp16=True`` (no fp16 autocast on
+a CPU; on a GPU a loss scaler that harts' own backward would bypass), ``cast_lm_head_to_fp32``
+under bf16 (TRL's head then runs outside autocast, harts' under it), accelerate's
 FSDP, DeepSpeed and other non-DDP distributed types and ``torch.nn.DataParallel`` over several
 GPUs of one process (their parameter gathering, batch splitting and gradient reduction live in
 the wrapper's forward and hooks, which harts does not run); at the first step, a model sharded
@@ -57,6 +66,7 @@ from harts.adapters import supported_families
 from harts.batch_layout import batch_layout
 from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
+from harts.ops.precision import no_autocast
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.step import forest_backward
@@ -136,12 +146,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(
                 f"harts does not run model family {family!r}; supported: {', '.join(supported_families())}"
             )
-        if self.accelerator.mixed_precision != "no":
-            raise ValueError(
-                f"mixed precision {self.accelerator.mixed_precision!r} (GRPOConfig bf16/fp16, bf16 is TRL's "
-                f"default): harts runs the model in its own dtype, not under autocast; set bf16=False and "
-                f"load the model in the dtype to train in (model_init_kwargs={{'dtype': torch.bfloat16}})"
-            )
+        self._refuse_mixed_precision()
         if self.aux_loss_enabled:
             raise ValueError(
                 "router_aux_loss_coef != 0: TRL's MoE load-balancing loss reads the router logits of the "
@@ -159,6 +164,32 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"in the wrapper's forward and hooks, which harts does not call; harts' drop-in runs one "
                 f"process or DDP (accelerate launch without an FSDP or DeepSpeed config)"
             )
+
+    def _refuse_mixed_precision(self) -> None:
+        """bf16 runs under accelerate's autocast (:meth:`_autocast`); fp16 and fp8 are refused."""
+        precision = self.accelerator.mixed_precision
+        if precision == "fp16":
+            raise ValueError(
+                "mixed precision 'fp16' (GRPOConfig fp16=True): on a CPU accelerate applies no fp16 autocast "
+                "(the stock forward would run in fp32), and on a GPU it scales the loss with a GradScaler "
+                "that harts' own backward (with a token budget or under DDP) would bypass; use bf16=True"
+            )
+        if precision not in ("no", "bf16") or (precision == "bf16" and not self.accelerator.native_amp):
+            raise ValueError(
+                f"mixed precision {precision!r} without torch autocast: harts' drop-in runs bf16 "
+                f"through accelerate's native autocast (GRPOConfig bf16=True) or in the model's own dtype"
+            )
+        if precision == "bf16" and getattr(self.args, "cast_lm_head_to_fp32", False):
+            raise ValueError(
+                "cast_lm_head_to_fp32=True under bf16 mixed precision: TRL then runs the head in fp32 "
+                "outside autocast, harts' head runs under it; set cast_lm_head_to_fp32=False"
+            )
+
+    def _autocast(self):
+        """The autocast accelerate wraps the prepared model's forward in (``bf16=True``: CPU or CUDA
+        bf16), entered around harts' forward and step, which call the model's modules rather than its
+        forward; a null context without mixed precision."""
+        return self.accelerator.autocast()
 
     # ---- harts' step: TRL's loss inside forest_backward -------------------------------------------
     def _harts_steps(self, model) -> bool:
@@ -204,17 +235,19 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             def loss_fn(logprob: Tensor, entropy: Tensor) -> Tensor:
                 self._harts_supplied = (rows.batch(logprob), rows.batch(entropy))
-                try:
-                    loss = super(GRPOTrainer, self)._compute_loss(module, inputs)
+                try:  # outside autocast, as stock TRL computes its loss from the forward's outputs
+                    with no_autocast(logprob.device):
+                        loss = super(GRPOTrainer, self)._compute_loss(module, inputs)
                 finally:
                     self._harts_supplied = None
                 seen["loss"] = loss.detach()
                 return loss * scale
 
-            self._harts_result = forest_backward(
-                module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
-                temperature=self.temperature,
-            )  # fmt: skip
+            with self._autocast():
+                self._harts_result = forest_backward(
+                    module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
+                    temperature=self.temperature,
+                )  # fmt: skip
         self._harts_redundancy = rows.forest.redundancy
         return seen["loss"].clone()
 
@@ -259,10 +292,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         # a forward-only pass (or the unbudgeted step): the whole forest at once; a budget bounds the
         # graph harts' step keeps, and these passes keep none
         run = dataclasses.replace(self.harts_run, budget_tokens=None)
-        out = batch_logprobs(
-            model, input_ids, attention_mask, score_mask=_completion_mask(attention_mask, logits_to_keep),
-            temperature=self.temperature, share_prefixes=self.share_prefixes, run=run,
-        )  # fmt: skip
+        with self._autocast():
+            out = batch_logprobs(
+                model, input_ids, attention_mask, score_mask=_completion_mask(attention_mask, logits_to_keep),
+                temperature=self.temperature, share_prefixes=self.share_prefixes, run=run,
+            )  # fmt: skip
         self._harts_redundancy = out.forest.redundancy
         logps = out.logprobs[:, -logits_to_keep:]
         entropies = out.entropies[:, -logits_to_keep:] if compute_entropy else None
