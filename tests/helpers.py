@@ -15,6 +15,7 @@ torchrun entry point in ``tests/distributed_worker.py``.
 - Tree attention forests, plan arguments and the fused switch: test_tree_attention,
   test_tree_attention_window_sinks.
 - Chat template, conversation and a local tokenizer: test_chat_rollouts, test_train_run.
+- Whether torch's bf16 attention runs on this process's CPU kernels: test_train_resume.
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ from transformers import PreTrainedTokenizerFast
 from harts.testing import FAMILIES
 
 VOCAB = 128  # the tiny models' vocabulary: random tokens are drawn from [3, VOCAB)
+
+
+# ---- low precision on this process's CPU kernels: test_train_resume ----------------------------
+def _bf16_attention_refusal() -> str | None:
+    """torch's own message when its CPU flash attention cannot run bf16 in this process, else None.
+
+    With ``ATEN_CPU_CAPABILITY`` set below a processor's AMX (simulating an AVX2 machine on an
+    AMX one), torch's bf16 flash kernel still takes its AMX path and stops ("pack_vnni2 is only
+    supported when avx512 is supported"): the stock forward of any model fails there too, so a
+    bf16 comparison has nothing to compare. A real AVX2 processor has no AMX path to take."""
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+needs_bf16_attention = pytest.mark.skipif(
+    _bf16_attention_refusal() is not None,
+    reason=f"torch's CPU bf16 attention does not run in this process: {_bf16_attention_refusal()}",
+)
 
 
 # ---- training runs: test_rl, test_distributed, test_train_config, test_train_optim, ------------

@@ -27,6 +27,7 @@ from harts.trainer.loop import train, train_step
 from harts.trainer.optim import build_optimizers
 from tests.helpers import (
     kill_after,
+    needs_bf16_attention,
     one_thread,  # noqa: F401 (autouse: one thread)
     start_train,
     wait_for,
@@ -140,6 +141,7 @@ def _dcp_state(checkpoint) -> dict:
     return torch.load(target, weights_only=True)
 
 
+@needs_bf16_attention
 def test_bf16_resume_restores_the_fp32_masters_bit_for_bit(tmp_path, capsys):
     """A bf16 run at a learning rate whose updates mostly fall below half a bf16 ulp: what it has
     learnt lives in the fp32 masters, so a resume that restarted from the bf16 weights would end
