@@ -53,7 +53,8 @@ def wrap(model: torch.nn.Module, kind: str, offload: bool = False) -> torch.nn.M
 
     # pinned memory needs an accelerator; on CPU ranks the policy runs with it off
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
-    for layer in model.model.layers:
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    for layer in causal_lm.model.layers:
         fully_shard(layer, **policy)
     return fully_shard(model, **policy)
 
@@ -87,6 +88,7 @@ class Variant:
     moe: bool = False
     aux_loss_coef: float = 0.0  # the MoE load-balancing loss (families that balance by it)
     offload: bool = False  # FSDP2's CPUOffloadPolicy
+    lora: bool = False  # a peft LoRA model (random A and B), only the adapters trained
     # compared with this variant's run on the same ranks (the same work on each rank) instead of
     # with one process
     baseline: str | None = None
@@ -107,6 +109,8 @@ VARIANTS = {
     "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
     "fsdp-moe-stats": Variant("fsdp", moe=True),
     "fsdp-offload": Variant("fsdp", offload=True),
+    "ddp-lora": Variant("ddp", lora=True),
+    "fsdp-lora": Variant("fsdp", lora=True),
     # the load-balancing loss: routing fractions of the whole step, summed over the ranks
     "ddp-moe-aux": Variant("ddp", moe=True, aux_loss_coef=0.5),
     "fsdp-moe-aux": Variant("fsdp", moe=True, aux_loss_coef=0.5),
@@ -131,6 +135,12 @@ def model_for(family: str, variant: Variant) -> torch.nn.Module:
     model = tiny_model(family, seed=0)
     if variant.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # random A and B (peft's default B = 0 would give A no gradient)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
     return model
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harts.runtime.model_checks import sharded_step
+from harts.runtime.model_checks import resolve_model, sharded_step
 from harts.runtime.sharded import ShardedStep
 
 __all__ = [
@@ -197,14 +197,14 @@ def _restore(params: list[nn.Parameter], held: list[Tensor | None]) -> None:
         p.grad = before
 
 
-def _check_fsdp_units(model: nn.Module, modules: list[nn.Module]) -> None:
-    """FSDP2 units only where harts never calls the module's forward (the model, its backbone, its
-    decoder layers): on a module harts calls (embedding, MLP, head) FSDP2's hooks would reshard
-    the parameters in the middle of the step."""
+def _check_fsdp_units(model: nn.Module, causal_lm: nn.Module, modules: list[nn.Module]) -> None:
+    """FSDP2 units only where harts never calls the module's forward (the model, a peft wrapper's
+    causal LM, its backbone, its decoder layers): on a module harts calls (embedding, MLP, head)
+    FSDP2's hooks would reshard the parameters in the middle of the step."""
     from harts.adapters import adapter_for
 
-    backbone = adapter_for(model).backbone(model)
-    allowed = {id(model), id(backbone), *(id(layer) for layer in backbone.layers)}
+    backbone = adapter_for(causal_lm).backbone(causal_lm)
+    allowed = {id(model), id(causal_lm), id(backbone), *(id(layer) for layer in backbone.layers)}
     names = {id(m): n for n, m in model.named_modules()}
     other = [names[id(m)] for m in modules if id(m) not in allowed]
     if other:
@@ -222,8 +222,10 @@ def _fsdp_step(dp: DataParallel, overlap: bool) -> Iterator[tuple[nn.Module, Dat
 
     model = dp.wrapper
     modules = _fsdp_modules(model)
-    _check_fsdp_units(model, modules)
-    layers = list(adapter_for(model).backbone(model).layers[: model.config.num_hidden_layers])
+    with sharded_step(model):
+        causal_lm = resolve_model(model)  # a peft model's causal LM; the model itself otherwise
+    _check_fsdp_units(model, causal_lm, modules)
+    layers = list(adapter_for(causal_lm).backbone(causal_lm).layers[: causal_lm.config.num_hidden_layers])
     step = ShardedStep(model, layers, modules, dp.group, overlap=overlap)
     step.begin()
     try:
