@@ -75,10 +75,11 @@ from harts.trainer.inputs import (
     seed_everything,
     set_rng_state,
 )
+from harts.trainer.logging_backends import check_backends, open_backends
 from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import build_optimizers, freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
-from harts.trainer.progress import MetricsLog, TensorBoard, progress_line, write_plot
+from harts.trainer.progress import MetricsLog, progress_line, write_plot
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
 
@@ -283,6 +284,7 @@ class _Run:
         state = json.loads((start.path / STATE).read_text()) if start else None
         if state is not None:
             self._check_resume(start, state)
+        check_backends(config.logging.writers)  # a missing package refused before the model loads
         seed_everything(config.seed)
         # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
         from_checkpoint = start.path if start and config.lora is None else None
@@ -526,7 +528,7 @@ def _loop(run: _Run, resume: bool) -> dict:
         return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
     resumed_from = position.step
     metrics = MetricsLog(run.out / "metrics.jsonl", position.step) if run.main else None
-    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard and run.main else None
+    backends = open_backends(config.logging.writers, run.out, config.table) if run.main else []
     last = start.path if start else None
     session = 0.0
     stream = data_stream(config.data, position.epoch, position.index)
@@ -554,8 +556,8 @@ def _loop(run: _Run, resume: bool) -> dict:
                     passes = 0.0
                 if metrics is not None:
                     metrics.write(record)
-                if board is not None:
-                    board.write(record)
+                for backend in backends:
+                    backend.write(record)
                 every = config.checkpoint.every
                 done = position.step == run.total
                 if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
@@ -572,8 +574,8 @@ def _loop(run: _Run, resume: bool) -> dict:
     finally:
         if metrics is not None:
             metrics.close()
-        if board is not None:
-            board.close()
+        for backend in backends:
+            backend.close()
     if config.logging.plot and run.main:
         run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
     redundancy = position.flat_tokens / max(position.unique_tokens, 1)
