@@ -61,6 +61,7 @@ from harts.trainer.distributed import (
     start_ranks,
     wrap_model,
 )
+from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
     check_data,
@@ -261,6 +262,9 @@ class _Run:
         if self.ranks is not None and (config.reference is not None or config.ppo is not None):
             raise ValueError("[reference] and [ppo] run on one process: their forward-only passes are not "
                              "split over ranks yet; start harts train without torchrun")  # fmt: skip
+        if self.ranks is not None and (config.eval is not None or config.samples is not None):
+            raise ValueError("[eval] and [samples] run on one process: their passes are not split over ranks "
+                             "yet; start harts train without torchrun")  # fmt: skip
         if self.ranks is not None and config.lora is not None:
             raise ValueError("[lora] runs on one process: a LoRA model under DDP or FSDP2 is not checked "
                              "against per-trajectory training yet; start harts train without "
@@ -285,6 +289,7 @@ class _Run:
         if state is not None:
             self._check_resume(start, state)
         check_backends(config.logging.writers)  # a missing package refused before the model loads
+        self.evaluation = Evaluation(config, model_vocab_size(config.model)) if config.eval else None
         seed_everything(config.seed)
         # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
         from_checkpoint = start.path if start and config.lora is None else None
@@ -554,6 +559,8 @@ def _loop(run: _Run, resume: bool) -> dict:
                 if config.ppo is not None or config.reference is not None:
                     record["passes_seconds"] = passes  # before the step's first update, once
                     passes = 0.0
+                if run.evaluation is not None and run.evaluation.due(position.step, run.total):
+                    record.update(run.evaluation(run.model, run.reference))
                 if metrics is not None:
                     metrics.write(record)
                 for backend in backends:
