@@ -81,6 +81,7 @@ from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import build_optimizers, freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
 from harts.trainer.progress import MetricsLog, progress_line, write_plot
+from harts.trainer.samples import SAMPLES, Samples
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
 
@@ -290,6 +291,7 @@ class _Run:
             self._check_resume(start, state)
         check_backends(config.logging.writers)  # a missing package refused before the model loads
         self.evaluation = Evaluation(config, model_vocab_size(config.model)) if config.eval else None
+        self.samples = Samples(config, model_vocab_size(config.model)) if config.samples else None
         seed_everything(config.seed)
         # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
         from_checkpoint = start.path if start and config.lora is None else None
@@ -533,6 +535,7 @@ def _loop(run: _Run, resume: bool) -> dict:
         return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
     resumed_from = position.step
     metrics = MetricsLog(run.out / "metrics.jsonl", position.step) if run.main else None
+    samples = MetricsLog(run.out / SAMPLES, position.step) if run.main and run.samples else None
     backends = open_backends(config.logging.writers, run.out, config.table) if run.main else []
     last = start.path if start else None
     session = 0.0
@@ -563,6 +566,9 @@ def _loop(run: _Run, resume: bool) -> dict:
                     record.update(run.evaluation(run.model, run.reference))
                 if metrics is not None:
                     metrics.write(record)
+                if samples is not None and run.samples.due(position.step, run.total):
+                    for line in run.samples(run.model, position.step):
+                        samples.write(line)
                 for backend in backends:
                     backend.write(record)
                 every = config.checkpoint.every
@@ -579,8 +585,9 @@ def _loop(run: _Run, resume: bool) -> dict:
         run.say(f"interrupted at step {position.step}; {where} (continue with --resume)")
         raise
     finally:
-        if metrics is not None:
-            metrics.close()
+        for log in (metrics, samples):
+            if log is not None:
+                log.close()
         for backend in backends:
             backend.close()
     if config.logging.plot and run.main:
