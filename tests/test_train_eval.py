@@ -29,21 +29,15 @@ from tests.helpers import (
     write_config,
     write_small_rollouts,
 )
-from tests.reference import LOGIT_ATOL, exact_linear_kernels, fp64_copy, stock_logits
+from tests.reference import LOGIT_ATOL, stock_logprobs
 
 TOL = 2 * LOGIT_ATOL
 
 
 def _stock(model, rollouts) -> torch.Tensor:
     """The loss-position log-probs of each rollout alone through the stock forward in fp64."""
-    model64 = fp64_copy(model, cache=False)
-    out = []
-    with torch.no_grad(), exact_linear_kernels(model64):
-        for r in rollouts:
-            ids = torch.as_tensor(r.tokens)
-            logp = torch.log_softmax(stock_logits(model64, r.tokens)[:-1], -1).gather(1, ids[1:, None])[:, 0]
-            out.append(logp[torch.as_tensor(r.loss_mask[1:], dtype=torch.bool)])
-    return torch.cat(out)
+    scored = zip(stock_logprobs(model, rollouts), rollouts, strict=True)
+    return torch.cat([lp[torch.as_tensor(r.loss_mask, dtype=torch.bool)] for lp, r in scored])
 
 
 @pytest.fixture(scope="module")
