@@ -151,6 +151,18 @@ def fp64_copy(model, cache: bool = True):
     return _FP64[key][1]
 
 
+def stock_logprobs(model, rollouts) -> list[torch.Tensor]:
+    """Each trajectory alone through the stock forward in fp64: [L] log-probs, position 0 = 0."""
+    model64 = fp64_copy(model, cache=False)
+    out = []
+    with torch.no_grad(), exact_linear_kernels(model64):
+        for r in rollouts:
+            ids = torch.as_tensor(r.tokens)
+            logp = torch.log_softmax(stock_logits(model64, r.tokens)[:-1], -1).gather(1, ids[1:, None])[:, 0]
+            out.append(torch.cat([torch.zeros(1, dtype=logp.dtype), logp]))
+    return out
+
+
 def functional_weights(trajectories, vocab: int, seed: int = 1234) -> list[torch.Tensor]:
     """One fixed random [len_i, vocab] tensor per trajectory: the loss is sum_i <W_i, logits_i>."""
     gen = torch.Generator().manual_seed(seed)

@@ -31,7 +31,7 @@ from tests.helpers import (
     write_config,
     write_small_rollouts,
 )
-from tests.reference import LOGIT_ATOL, exact_linear_kernels, fp64_copy, stock_logits
+from tests.reference import LOGIT_ATOL, stock_logprobs
 
 TOL = 2 * LOGIT_ATOL  # a log-prob from logits within LOGIT_ATOL (module docstring)
 MIDDLE = 24  # unique tokens per micro-batch: cuts the trees of the small file's steps
@@ -52,18 +52,6 @@ def _config(tmp_path, budget=MIDDLE, steps=3, **sections):
     for name, table in sections.items():
         tables[name] = {**tables.get(name, {}), **table} if table is not None else None
     return write_config(tmp_path / "run.toml", {"steps": steps}, {k: v for k, v in tables.items() if v})
-
-
-def _stock_logprobs(model, rollouts) -> list[torch.Tensor]:
-    """Each trajectory alone through the stock forward in fp64: [L] log-probs, position 0 = 0."""
-    model64 = fp64_copy(model, cache=False)
-    out = []
-    with torch.no_grad(), exact_linear_kernels(model64):
-        for r in rollouts:
-            ids = torch.as_tensor(r.tokens)
-            logp = torch.log_softmax(stock_logits(model64, r.tokens)[:-1], -1).gather(1, ids[1:, None])[:, 0]
-            out.append(torch.cat([torch.zeros(1, dtype=logp.dtype), logp]))
-    return out
 
 
 def _max_error(got: list, want: list, rollouts) -> float:
@@ -87,7 +75,7 @@ def test_reference_logprobs_equal_each_trajectory_alone(tmp_path, budget):
     for rollouts in rollout_steps(config.data):
         step = StepUpdates(config, policy, reference, config.run.run_config(), rollouts)
         got = [torch.as_tensor(r.ref_logprobs) for r in step.rollouts]
-        assert _max_error(got, _stock_logprobs(initial, rollouts), rollouts) <= TOL
+        assert _max_error(got, stock_logprobs(initial, rollouts), rollouts) <= TOL
 
 
 def test_the_bound_tells_a_reference_one_update_away(tmp_path):
@@ -100,7 +88,7 @@ def test_the_bound_tells_a_reference_one_update_away(tmp_path):
     harts.rollout_step(policy, rollouts, harts.PolicyLossConfig(kind="sft"))
     optimizer.step()
     moved = forest_logprobs(policy, rollouts, loss_positions_only=True).logprobs
-    assert _max_error(moved, _stock_logprobs(tiny_model(FAMILY, seed=0), rollouts), rollouts) > 10 * TOL
+    assert _max_error(moved, stock_logprobs(tiny_model(FAMILY, seed=0), rollouts), rollouts) > 10 * TOL
 
 
 def test_a_run_reads_the_starting_weights_all_along(tmp_path):

@@ -7,7 +7,8 @@ optimizers and schedules, the loop, checkpoints that survive a kill, progress an
 - ``optim``: AdamW, or Muon on hidden matrices and AdamW on the rest; router freezing; schedules;
 - ``inputs``: the model, the data stream and position, the random states;
 - ``checkpoint``: atomic checkpoint directories with a manifest, verified before loading;
-- ``progress``: the progress line, ``metrics.jsonl``, TensorBoard, the plot;
+- ``progress``: the progress line, ``metrics.jsonl``, the plot; ``logging_backends``: TensorBoard, wandb;
+- ``lora``: LoRA adapters (peft); ``sections``: the ``[lora]``, ``[eval]``, ``[samples]`` config sections;
 - ``loop``: ``train(config, out, resume)``; ``command``: the ``harts train`` command line.
 
 Guide and config reference: ``docs/training.md``.

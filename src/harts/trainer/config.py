@@ -16,10 +16,13 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
                  freeze_router, master_weights
     [schedule]   kind (constant | linear | cosine), warmup_steps, min_lr_ratio
     [checkpoint] every, keep_last
-    [logging]    every, tensorboard, plot
+    [logging]    every, backends (jsonl | tensorboard | wandb), tensorboard, plot
     [moe]        enabled, aux_loss_coef, bias_update_speed
     [reference]  model ("initial" | a local HF directory), dtype, device: the KL term's reference
     [ppo]        epochs, mini_batches, shuffle_seed, old_logprobs ("policy" | "rollout")
+    [lora]       r, alpha, dropout (0), target_modules, merge_on_save: train peft LoRA adapters
+    [eval]       file, every_steps, budget_tokens: held-out rollouts scored forward only
+    [samples]    prompts, every_steps, max_new_tokens, greedy, tokenizer: generate() completions
 
 Relative paths are resolved against the config file's directory, so a config and its data can
 move together.
@@ -33,7 +36,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Union, get_args, get_origin, get_type_hints
 
 from harts.adapters import FamilyUnavailable, adapter_for_type
 from harts.objectives.advantages import (
@@ -48,26 +51,16 @@ from harts.objectives.losses import Aggregation, KLEstimator, LossKind, PolicyLo
 from harts.plan.waves import PlanMode
 from harts.runtime.config import RunConfig
 from harts.testing import ALL_FAMILIES
+from harts.trainer.sections import EvalSection, LoRASection, SamplesSection, one_of, positive_int
 
 __all__ = [
     "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
     "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "ReferenceSection", "PPOSection",
+    "LoRASection", "EvalSection", "SamplesSection", "BACKENDS",
     "load_config", "parse_config", "DTYPES", "INITIAL",
 ]  # fmt: skip
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def _one_of(key: str, value: Any, valid) -> None:
-    valid = [str(v) for v in valid]
-    if value not in valid:
-        raise ValueError(f"{key}: expected one of {', '.join(valid)}; got {value!r}")
-
-
-def _positive_int(key: str, value, allow_zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-        raise ValueError(f"{key}: expected {'a non-negative' if allow_zero else 'a positive'} integer, "
-                         f"got {value}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -88,12 +81,12 @@ class ModelConfig:
                 f"(one of {', '.join(ALL_FAMILIES)})"
             )
         if self.tiny is not None:
-            _one_of("model.tiny", self.tiny, ALL_FAMILIES)
+            one_of("model.tiny", self.tiny, ALL_FAMILIES)
             try:
                 adapter_for_type(self.tiny)
             except FamilyUnavailable as exc:  # kept as such: tests skip, saying so
                 raise FamilyUnavailable(f"model.tiny: {exc}") from None
-        _one_of("model.dtype", self.dtype, DTYPES)
+        one_of("model.dtype", self.dtype, DTYPES)
 
 
 @dataclass(frozen=True)
@@ -105,7 +98,7 @@ class DataConfig:
     tokenizer: Path | None = None  # for files of chat messages (harts.data.rollout_files)
 
     def __post_init__(self):
-        _positive_int("data.rollouts_per_step", self.rollouts_per_step)
+        positive_int("data.rollouts_per_step", self.rollouts_per_step)
 
 
 # estimator name -> the function whose keyword parameters ``advantage_params`` may set
@@ -142,9 +135,9 @@ class ObjectiveConfig:
     max_length: float | None = None
 
     def __post_init__(self):
-        _one_of("objective.kind", self.kind, [k.value for k in LossKind])
-        _one_of("objective.kl_estimator", self.kl_estimator, [k.value for k in KLEstimator])
-        _one_of("objective.aggregation", self.aggregation, [a.value for a in Aggregation])
+        one_of("objective.kind", self.kind, [k.value for k in LossKind])
+        one_of("objective.kl_estimator", self.kl_estimator, [k.value for k in KLEstimator])
+        one_of("objective.aggregation", self.aggregation, [a.value for a in Aggregation])
         try:
             self.loss_config()
         except ValueError as exc:
@@ -153,7 +146,7 @@ class ObjectiveConfig:
             if self.advantage_params:
                 raise ValueError("objective.advantage_params: set objective.advantage to use them")
         else:
-            _one_of("objective.advantage", self.advantage, [a.value for a in AdvantageEstimator])
+            one_of("objective.advantage", self.advantage, [a.value for a in AdvantageEstimator])
             fn = _ESTIMATOR_FUNCTIONS[AdvantageEstimator(self.advantage)]
             allowed = [p for p in inspect.signature(fn).parameters if p not in _ESTIMATOR_INPUTS]
             for name, value in self.advantage_params.items():
@@ -187,7 +180,7 @@ class RunSection:
     fsdp_overlap: bool = True
 
     def __post_init__(self):
-        _one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
+        one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
         try:
             self.run_config()
         except ValueError as exc:
@@ -214,8 +207,8 @@ class OptimizerConfig:
     master_weights: bool = True
 
     def __post_init__(self):
-        _one_of("optimizer.kind", self.kind, ("adamw", "muon"))
-        _one_of("optimizer.adjust_lr", self.adjust_lr, ("match_rms_adamw", "original"))
+        one_of("optimizer.kind", self.kind, ("adamw", "muon"))
+        one_of("optimizer.adjust_lr", self.adjust_lr, ("match_rms_adamw", "original"))
         for key in ("lr", "muon_lr"):
             value = getattr(self, key)
             if value is not None and not (0 < value < math.inf):
@@ -239,8 +232,8 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.0  # the factor linear and cosine decay approach (reached one step past the last)
 
     def __post_init__(self):
-        _one_of("schedule.kind", self.kind, ("constant", "linear", "cosine"))
-        _positive_int("schedule.warmup_steps", self.warmup_steps, allow_zero=True)
+        one_of("schedule.kind", self.kind, ("constant", "linear", "cosine"))
+        positive_int("schedule.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"schedule.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio}")
 
@@ -251,18 +244,34 @@ class CheckpointConfig:
     keep_last: int = 3
 
     def __post_init__(self):
-        _positive_int("checkpoint.every", self.every, allow_zero=True)
-        _positive_int("checkpoint.keep_last", self.keep_last)
+        positive_int("checkpoint.every", self.every, allow_zero=True)
+        positive_int("checkpoint.keep_last", self.keep_last)
+
+
+#: where the step records go: ``metrics.jsonl`` (always), TensorBoard event files, a wandb run
+BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     every: int = 1  # steps between progress lines (metrics.jsonl gets every step)
-    tensorboard: bool = False
+    backends: tuple[str, ...] = ("jsonl",)
+    tensorboard: bool = False  # the older spelling of "tensorboard" in backends
     plot: bool = True
 
     def __post_init__(self):
-        _positive_int("logging.every", self.every)
+        positive_int("logging.every", self.every)
+        for name in self.backends:
+            one_of("logging.backends", name, BACKENDS)
+        if "jsonl" not in self.backends:
+            raise ValueError("logging.backends: metrics.jsonl is what --resume and the plot read; keep "
+                             "\"jsonl\" in the list")  # fmt: skip
+
+    @property
+    def writers(self) -> list[str]:
+        """The backends beyond ``metrics.jsonl``, each once."""
+        names = [*self.backends, *(["tensorboard"] if self.tensorboard else [])]
+        return [n for i, n in enumerate(names) if n != "jsonl" and n not in names[:i]]
 
 
 @dataclass(frozen=True)
@@ -291,8 +300,8 @@ class DistributedSection:
     timeout_s: float = 600.0  # a collective that waits longer (a dead or hung rank) fails
 
     def __post_init__(self):
-        _one_of("distributed.strategy", self.strategy, ["ddp", "fsdp"])
-        _one_of("distributed.balance", self.balance, ["cost", "tokens"])
+        one_of("distributed.strategy", self.strategy, ["ddp", "fsdp"])
+        one_of("distributed.balance", self.balance, ["cost", "tokens"])
         if not self.timeout_s > 0:
             raise ValueError(f"distributed.timeout_s: expected > 0, got {self.timeout_s}")
 
@@ -313,7 +322,7 @@ class ReferenceSection:
 
     def __post_init__(self):
         if self.dtype is not None:
-            _one_of("reference.dtype", self.dtype, DTYPES)
+            one_of("reference.dtype", self.dtype, DTYPES)
 
     @property
     def initial(self) -> bool:
@@ -337,9 +346,9 @@ class PPOSection:
     old_logprobs: str = "policy"
 
     def __post_init__(self):
-        _positive_int("ppo.epochs", self.epochs)
-        _positive_int("ppo.mini_batches", self.mini_batches)
-        _one_of("ppo.old_logprobs", self.old_logprobs, ("policy", "rollout"))
+        positive_int("ppo.epochs", self.epochs)
+        positive_int("ppo.mini_batches", self.mini_batches)
+        one_of("ppo.old_logprobs", self.old_logprobs, ("policy", "rollout"))
 
     @property
     def updates(self) -> int:
@@ -363,6 +372,9 @@ class TrainConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     reference: ReferenceSection | None = None
     ppo: PPOSection | None = None
+    lora: LoRASection | None = None
+    eval: EvalSection | None = None
+    samples: SamplesSection | None = None
     seed: int = 0
     steps: int | None = None
     epochs: int | None = None
@@ -378,9 +390,9 @@ class TrainConfig:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("steps and epochs: give one (steps counts optimizer steps, epochs passes over "
                              "the file)")  # fmt: skip
-        _positive_int("steps", self.steps)
-        _positive_int("epochs", self.epochs)
-        _positive_int("threads", self.threads)
+        positive_int("steps", self.steps)
+        positive_int("epochs", self.epochs)
+        positive_int("threads", self.threads)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm: expected >= 0, got {self.max_grad_norm}")
         if self.reference is not None and not self.objective.kl_coef > 0:
@@ -397,10 +409,12 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "objective": ObjectiveConfig, "run": RunSection,
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "moe": MoESection, "distributed": DistributedSection,
-    "reference": ReferenceSection, "ppo": PPOSection,
+    "reference": ReferenceSection, "ppo": PPOSection, "lora": LoRASection, "eval": EvalSection,
+    "samples": SamplesSection,
 }  # fmt: skip
 _NOT_KEYS = {"source", "text", "table"}
-_PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out")}
+_PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out"), ("eval", "file"),
+              ("samples", "prompts"), ("samples", "tokenizer")}  # fmt: skip
 
 
 def _describe(value) -> str:
@@ -428,6 +442,10 @@ def _convert(key: str, value, hint):
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a string, got {_describe(value)}")
         return Path(value) if hint is Path else value
+    if origin is tuple and get_args(hint)[-1] is Ellipsis:  # a list of any length
+        if not isinstance(value, list):
+            raise ValueError(f"{key}: expected a list, got {_describe(value)}")
+        return tuple(_convert(f"{key}[{i}]", v, get_args(hint)[0]) for i, v in enumerate(value))
     if origin is tuple:
         items = get_args(hint)
         if not isinstance(value, list) or len(value) != len(items):
@@ -507,6 +525,12 @@ def check_paths(config: TrainConfig) -> None:
             f"model.path: {path}: not a local Hugging Face model directory (no config.json); "
             f"harts train reads local directories only"
         )
+    for key, file in (("eval.file", config.eval and config.eval.file),
+                      ("samples.prompts", config.samples and config.samples.prompts)):  # fmt: skip
+        if file and not file.is_file():
+            raise FileNotFoundError(f"{key}: {file}: no such file")
+    if config.samples is not None and config.samples.tokenizer and not config.samples.tokenizer.is_dir():
+        raise FileNotFoundError(f"samples.tokenizer: {config.samples.tokenizer}: no such directory")
     ref = config.reference
     if ref is not None and not ref.initial and not (Path(ref.model) / "config.json").is_file():
         raise FileNotFoundError(

@@ -155,13 +155,23 @@ def _state(model: nn.Module, optim, with_model: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optim.masters is None:
-        model_state, optim_state = get_state_dict(model, _optimizers(optim))
+        model_state, optim_state = get_state_dict(model, _optimizers(optim), options=_options(model))
         return {"model": model_state, "optim": optim_state}
     masters, optim_state = get_state_dict(optim.masters.module, _optimizers(optim))
     state = {"masters": masters, "optim": optim_state}
     if with_model:
-        state["model"] = get_model_state_dict(model)
+        state["model"] = get_model_state_dict(model, options=_options(model))
     return state
+
+
+def _options(model: nn.Module):
+    """A peft model's state without its frozen base weights (reloaded from their source on resume,
+    so a checkpoint's ``state/`` is the size of the adapter; loading it leaves them as they are);
+    every parameter otherwise."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    adapter = hasattr(model, "peft_config")
+    return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
 
 
 def save_state(directory: Path, model: nn.Module, optim) -> None:
@@ -181,7 +191,7 @@ def load_state(directory: Path, model: nn.Module, optim) -> None:
     dcp.load(state, checkpoint_id=directory / STATE_DIR)
     if optim.masters is None:
         set_state_dict(model, _optimizers(optim), model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # fmt: skip
+                       optim_state_dict=state["optim"], options=_options(model))  # fmt: skip
         return
     set_state_dict(optim.masters.module, _optimizers(optim), model_state_dict=state["masters"],
                    optim_state_dict=state["optim"])  # fmt: skip

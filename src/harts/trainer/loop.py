@@ -61,6 +61,7 @@ from harts.trainer.distributed import (
     start_ranks,
     wrap_model,
 )
+from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
     check_data,
@@ -75,9 +76,12 @@ from harts.trainer.inputs import (
     seed_everything,
     set_rng_state,
 )
+from harts.trainer.logging_backends import check_backends, open_backends
+from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import build_optimizers, freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
-from harts.trainer.progress import MetricsLog, TensorBoard, progress_line, write_plot
+from harts.trainer.progress import MetricsLog, progress_line, write_plot
+from harts.trainer.samples import SAMPLES, Samples
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
 
@@ -259,6 +263,13 @@ class _Run:
         if self.ranks is not None and (config.reference is not None or config.ppo is not None):
             raise ValueError("[reference] and [ppo] run on one process: their forward-only passes are not "
                              "split over ranks yet; start harts train without torchrun")  # fmt: skip
+        if self.ranks is not None and (config.eval is not None or config.samples is not None):
+            raise ValueError("[eval] and [samples] run on one process: their passes are not split over ranks "
+                             "yet; start harts train without torchrun")  # fmt: skip
+        if self.ranks is not None and config.lora is not None:
+            raise ValueError("[lora] runs on one process: a LoRA model under DDP or FSDP2 is not checked "
+                             "against per-trajectory training yet; start harts train without "
+                             "torchrun")  # fmt: skip
         self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
                                      reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
         self.steps_per_epoch, rollouts_per_epoch = self.data_check.steps, self.data_check.rollouts
@@ -278,9 +289,19 @@ class _Run:
         state = json.loads((start.path / STATE).read_text()) if start else None
         if state is not None:
             self._check_resume(start, state)
+        check_backends(config.logging.writers)  # a missing package refused before the model loads
+        self.evaluation = Evaluation(config, model_vocab_size(config.model)) if config.eval else None
+        self.samples = Samples(config, model_vocab_size(config.model)) if config.samples else None
         seed_everything(config.seed)
-        self.model = load_model(config.model, config.seed, start.path if start else None)
+        # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
+        from_checkpoint = start.path if start and config.lora is None else None
+        self.model = load_model(config.model, config.seed, from_checkpoint)
         check_embedding(self.model, self.data_check)
+        self.base_sha256 = None
+        if config.lora is not None:
+            recorded = (state or {}).get("lora", {}).get("base_sha256") if state is not None else None
+            self.model, self.base_sha256 = attach_lora(self.model, config.lora, recorded,
+                                                       start.path.name if start else "")  # fmt: skip
         self.reference, self.reference_sha256, self.saved_old = None, None, None
         if config.reference is not None:
             self.reference = load_reference(config.reference, config.model, config.seed)
@@ -422,6 +443,8 @@ class _Run:
         }
         if self.reference_sha256 is not None:
             state["reference"] = {"model": self.config.reference.model, "sha256": self.reference_sha256}
+        if self.base_sha256 is not None:
+            state["lora"] = {"base_sha256": self.base_sha256}
 
         if self.ranks is not None:
             state["world_size"] = self.ranks.world_size
@@ -431,8 +454,11 @@ class _Run:
             whole = full_model_state(self.wrapped, self.ranks)
             if not self.main:
                 return
-            with quiet_transformers(), plain_class(self.model):
-                self.model.save_pretrained(directory, safe_serialization=True, state_dict=whole)
+            if self.config.lora is not None:
+                save_adapter(self.model, directory, self.config.lora)
+            else:
+                with quiet_transformers(), plain_class(self.model):
+                    self.model.save_pretrained(directory, safe_serialization=True, state_dict=whole)
             trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(),
                        "params": self.param_names,
                        "master_weights": self.optim.masters is not None}  # fmt: skip
@@ -509,7 +535,8 @@ def _loop(run: _Run, resume: bool) -> dict:
         return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
     resumed_from = position.step
     metrics = MetricsLog(run.out / "metrics.jsonl", position.step) if run.main else None
-    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard and run.main else None
+    samples = MetricsLog(run.out / SAMPLES, position.step) if run.main and run.samples else None
+    backends = open_backends(config.logging.writers, run.out, config.table) if run.main else []
     last = start.path if start else None
     session = 0.0
     stream = data_stream(config.data, position.epoch, position.index)
@@ -535,10 +562,15 @@ def _loop(run: _Run, resume: bool) -> dict:
                 if config.ppo is not None or config.reference is not None:
                     record["passes_seconds"] = passes  # before the step's first update, once
                     passes = 0.0
+                if run.evaluation is not None and run.evaluation.due(position.step, run.total):
+                    record.update(run.evaluation(run.model, run.reference))
                 if metrics is not None:
                     metrics.write(record)
-                if board is not None:
-                    board.write(record)
+                if samples is not None and run.samples.due(position.step, run.total):
+                    for line in run.samples(run.model, position.step):
+                        samples.write(line)
+                for backend in backends:
+                    backend.write(record)
                 every = config.checkpoint.every
                 done = position.step == run.total
                 if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
@@ -553,16 +585,19 @@ def _loop(run: _Run, resume: bool) -> dict:
         run.say(f"interrupted at step {position.step}; {where} (continue with --resume)")
         raise
     finally:
-        if metrics is not None:
-            metrics.close()
-        if board is not None:
-            board.close()
+        for log in (metrics, samples):
+            if log is not None:
+                log.close()
+        for backend in backends:
+            backend.close()
     if config.logging.plot and run.main:
         run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
     redundancy = position.flat_tokens / max(position.unique_tokens, 1)
     unit = "optimizer updates" if config.ppo is not None else "steps"
+    loads = ("AutoModelForCausalLM.from_pretrained loads it" if config.lora is None else
+             "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
     run.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
             f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
-            f"(AutoModelForCausalLM.from_pretrained loads it)")  # fmt: skip
+            f"({loads})")  # fmt: skip
     return {"steps": position.step, "checkpoint": str(last), "resumed_from": resumed_from, "seconds": session,
             "unique_tokens": position.unique_tokens, "flat_tokens": position.flat_tokens}  # fmt: skip

@@ -1,4 +1,5 @@
-"""What a run reports: a progress line on stderr, ``metrics.jsonl``, optional TensorBoard, a plot.
+"""What a run reports: a progress line on stderr, ``metrics.jsonl``, a plot (other backends:
+:mod:`harts.trainer.logging_backends`).
 
 The progress line is self-made (no dependency) and says what the forest saves as it happens:
 unique tokens per second (what the model computed), flat tokens per second (what per-trajectory
@@ -15,9 +16,8 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TextIO
 
-__all__ = ["MetricsLog", "progress_line", "TensorBoard", "write_plot", "read_metrics"]
+__all__ = ["MetricsLog", "progress_line", "write_plot", "read_metrics"]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -74,31 +74,6 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
         f"eta {_duration(eta_seconds)}",
     ]
     return " | ".join(parts)
-
-
-class TensorBoard:
-    """Scalars to ``OUT/tensorboard`` when ``torch.utils.tensorboard`` imports; else one line says so."""
-
-    def __init__(self, directory: Path, log: TextIO):
-        self._writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            print("harts train: logging.tensorboard is on but tensorboard is not installed "
-                  "(pip install tensorboard); not writing it", file=log)  # fmt: skip
-            return
-        self._writer = SummaryWriter(str(directory))
-
-    def write(self, record: dict) -> None:
-        if self._writer is None:
-            return
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._writer.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
 
 
 _PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "redundancy",
