@@ -28,7 +28,7 @@ $(OLDEST)/.installed: pyproject.toml
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install -q --upgrade pip
 	$(OLDEST)/bin/python -m pip install -q $(TORCH_PIN) $(OLDEST_TRANSFORMERS)
-	$(OLDEST)/bin/python -m pip install -q -e ".[dev]" $(OLDEST_TRANSFORMERS)
+	$(OLDEST)/bin/python -m pip install -q -e ".[dev,logging]" $(OLDEST_TRANSFORMERS) $(TORCH_PIN)
 	touch $@
 
 $(KERNELS)/.installed: pyproject.toml
