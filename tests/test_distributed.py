@@ -288,18 +288,24 @@ def test_muon_under_fsdp_trains_and_resumes_bit_for_bit(tmp_path):
     assert got.read_bytes() == (final / "model.safetensors").read_bytes()
 
 
+def _two_ranks(commands: list[list[str]]) -> list[subprocess.Popen]:
+    """Rank 0 and rank 1 of one process group, each its own command and process session."""
+    port = _free_port()
+    procs = []
+    for rank, command in enumerate(commands):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(commands)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
+    return procs
+
+
 @pytest.mark.multiprocess
 def test_a_dead_rank_stops_the_others_and_the_run_resumes(tmp_path):
     config = _train_config(tmp_path, steps=12)
     out = tmp_path / "run"
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        command = [sys.executable, "-m", "harts", "train", str(config), "--out", str(out)]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    harts = [sys.executable, "-m", "harts", "train", str(config), "--out", str(out)]
+    procs = _two_ranks([harts, harts])
     deadline = time.monotonic() + 180
     while not (out / "checkpoints" / "step-000002").is_dir():
         assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint was written"
@@ -336,16 +342,9 @@ def test_a_rank_lost_inside_a_layer_gather_stops_the_other_within_the_timeout(fa
     config.write_text(text)
     assert f"timeout_s = {HUNG_TIMEOUT_S}" in text
     out = tmp_path / "run"
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        harts_args = ["train", str(config), "--out", str(out)]
-        faulty = [str(HERE / "fault_worker.py"), fault, str(gather)]
-        command = [sys.executable, *(faulty if rank else ["-m", "harts"]), *harts_args]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
+    harts_args = ["train", str(config), "--out", str(out)]
+    faulty = [sys.executable, str(HERE / "fault_worker.py"), fault, str(gather), *harts_args]
+    procs = _two_ranks([[sys.executable, "-m", "harts", *harts_args], faulty])
     try:
         lost_at, line = None, ""
         deadline = time.monotonic() + 180
