@@ -4,9 +4,13 @@ Runs ``harts train`` three times on the example rollouts (SFT, AdamW, constant l
 one thread): ``float32``; ``bfloat16`` with fp32 master weights (the default); ``bfloat16``
 with ``optimizer.master_weights = false``. Prints the loss of every step side by side and, at
 the end, the fraction of the model's weights that differ from the run's starting weights (for
-the master-weight run, of its fp32 masters too).
+the master-weight run, of its fp32 masters too). With ``--plot PATH`` it also draws the three loss
+curves (``pip install -e '.[bench]'`` for matplotlib): the losses per step, and each run's loss
+minus fp32's at the same step. Every step reads other rollouts, so the raw curves zigzag with the
+data; the difference removes that, leaving what the precision did.
 
-    python benchmarks/master_weights.py [--steps 20] [--lr 1e-5] [--family llama]
+    python benchmarks/master_weights.py [--steps 20] [--lr 1e-5] [--family llama] \
+        [--plot docs/bench/master-weights.png]
 """
 
 from __future__ import annotations
@@ -58,11 +62,40 @@ def _masters(checkpoint: Path) -> dict:
     return torch.load(buffer, weights_only=True).get("masters", {})
 
 
+def plot(losses: dict[str, list[float]], path: Path, title: str) -> None:
+    """Two panels over the steps: each run's loss, and its loss minus the fp32 run's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
+    reference = losses["fp32"]
+    for (name, values), style in zip(losses.items(), ("-o", "-s", "-^"), strict=True):
+        steps = range(1, len(values) + 1)
+        top.plot(steps, values, style, markersize=4, label=name)
+        bottom.plot(steps, [v - r for v, r in zip(values, reference, strict=True)], style, markersize=4,
+                    label=name)  # fmt: skip
+    top.set_ylabel("SFT loss")
+    top.set_title(title, fontsize=10)
+    bottom.legend(loc="upper left")  # the top panel's peaks leave it no free corner
+    bottom.axhline(0.0, color="grey", linewidth=0.5)
+    bottom.set_ylabel("loss minus fp32 loss")
+    bottom.set_xlabel("step (each reads other rollouts; the same ones every fourth)")
+    bottom.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--family", default="llama")
+    parser.add_argument("--plot", type=Path, help="write the loss curves to this image")
     args = parser.parse_args()
     losses, moved = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +116,8 @@ def main() -> None:
                 )
             lines = (out / "metrics.jsonl").read_text().splitlines()
             losses[name] = [json.loads(line)["loss"] for line in lines]
-    print(f"tiny {args.family}, SFT on examples/rollouts.jsonl, AdamW lr {args.lr:g}, {args.steps} steps\n")
+    title = f"tiny {args.family}, SFT on examples/rollouts.jsonl, AdamW lr {args.lr:g}, {args.steps} steps"
+    print(title + "\n")
     print("| step | " + " | ".join(RUNS) + " |")
     print("|---|" + "---|" * len(RUNS))
     for i in range(args.steps):
@@ -91,6 +125,9 @@ def main() -> None:
     print()
     for name, fraction in moved.items():
         print(f"weights changed after {args.steps} steps, {name}: {100 * fraction:.2f}%")
+    if args.plot is not None:
+        plot(losses, args.plot, title)
+        print(f"loss curves: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,13 @@
 
 Budgets small enough to cut each tree several times, including cuts inside a long node, for every
 family; and the micro-batch plans themselves (coverage, budget, order, whole-tree packing).
+
+Gradients of a budgeted and an unbudgeted run agree within ``GRAD_RTOL`` per parameter; where they
+do not, both are judged against the fp64 truth of each trajectory alone, with the stock fp32
+computation's own error (:func:`tests.reference.split_gradient_failures`, whose docstring derives
+why two fp32 runs may differ by the sum of their errors). Only qwen3_5_moe's tiny model needs it:
+layer 0's ``A_log``, ``dt_bias``, conv and projection gradients are ~7e-5 off fp64 in stock fp32
+too, so its two runs may lie on opposite sides of the truth.
 """
 
 from __future__ import annotations
@@ -15,7 +22,13 @@ from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
 from harts.runtime.step import forest_backward, next_token_rows
 from harts.testing import FAMILIES
 from tests.helpers import EDGE_SHAPES
-from tests.reference import GRAD_RTOL, cached_model, grad_relative_errors, param_grads
+from tests.reference import (
+    GRAD_RTOL,
+    cached_model,
+    grad_relative_errors,
+    param_grads,
+    split_gradient_failures,
+)
 
 SPLIT_FORESTS = {
     "stacked-branches": EDGE_SHAPES["stacked-branches"],
@@ -94,6 +107,14 @@ def _step(model, forest, budget, separable=False, loss_type=SequenceLoss, run=No
     return result, param_grads(model)
 
 
+def _check_gradients(grads, ref_grads, model, shape, loss_type, what=""):
+    """Split invariance of the gradients of ``loss_type`` over the forest ``shape`` (module docstring)."""
+    trajectories = SPLIT_FORESTS[shape]
+    loss = loss_type(harts.build_forest(trajectories))
+    failures, _ = split_gradient_failures(grads, ref_grads, model, trajectories, lambda lp, en: loss(lp, en))
+    assert not failures, f"{what}{failures}"
+
+
 def _read_by_later_parts(result) -> int:
     return sum(1 for lay in result.layouts if lay.export_token_ids.size or lay.export_nodes)
 
@@ -125,9 +146,7 @@ def test_cut_trees_run_once_depth_first_under_a_per_row_loss(family, shape, budg
         counts[hold] = (got.part_forwards - got.num_micro_batches, interior)
         assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
         assert abs(float(got.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss)))
-        errors = grad_relative_errors(grads, ref_grads)
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= GRAD_RTOL, f"hold {hold}, {worst}: relative error {errors[worst]:.3g}"
+        _check_gradients(grads, ref_grads, model, shape, RowLoss, f"hold {hold}: ")
     assert counts[0][0] == counts[0][1]
     if family in HOLD_FAMILIES:
         assert counts[10**9][0] == 0
@@ -145,9 +164,7 @@ def test_budget_does_not_change_gradients(family, shape, budget):
     assert max(got.tokens_per_micro_batch) <= budget
     assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
     assert abs(got.loss - ref.loss) <= 1e-5 * max(1.0, abs(ref.loss))
-    errors = grad_relative_errors(grads, ref_grads)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+    _check_gradients(grads, ref_grads, model, shape, SequenceLoss)
 
 
 @pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3_next", "llama"])

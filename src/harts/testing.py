@@ -14,7 +14,7 @@ from harts.adapters import adapter_for_type, supported_families
 __all__ = ["ALL_FAMILIES", "FAMILIES", "tiny_config", "tiny_model"]
 
 ALL_FAMILIES = (
-    "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama", "qwen3_5", "lfm2",
+    "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama", "qwen3_5", "qwen3_5_moe", "lfm2",
     "minimax", "nemotron_h",
     "qwen2", "mistral", "qwen3_moe", "olmo3", "glm4_moe", "gemma3_text", "gpt_oss",
     "deepseek_v3",

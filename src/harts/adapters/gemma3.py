@@ -1,11 +1,13 @@
 """``gemma3_text`` (Gemma 3 as a text model, ``Gemma3ForCausalLM``): sandwich norms (one before and
 one after each of attention and MLP); local sliding-window and global layers per ``layer_types``,
 each with its own rotary base; q/k norms per head; ``query_pre_attn_scalar`` as the attention
-scale; the embedding's scaling by sqrt(hidden) (inside the model's own embedding module).
+scale; the embedding's scaling by sqrt(hidden) (inside the model's own embedding module);
+``final_logit_softcapping`` (``c * tanh(logits / c)`` after the head, which every reader of harts'
+head applies in the stock order: cap, then any sampling temperature).
 
-Refused: ``attn_logit_softcapping`` (a tanh on every score, which a fused softmax cannot take),
-``final_logit_softcapping`` (applied outside the head) and bidirectional attention (embedding
-models). The multimodal ``gemma3`` (``Gemma3ForConditionalGeneration``) is not run.
+Refused: ``attn_logit_softcapping`` (a tanh on every score, which a fused softmax cannot take) and
+bidirectional attention (embedding models). The multimodal ``gemma3``
+(``Gemma3ForConditionalGeneration``) is not run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Gemma3Adapter(GQAFamilyAdapter):
     layer_fields = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                     "pre_feedforward_layernorm", "post_feedforward_layernorm")
     attention_fields = (*GQAFamilyAdapter.attention_fields, "q_norm", "k_norm")
+    final_logit_softcapping = True  # Gemma3ForCausalLM.forward caps its logits after lm_head
 
     def check_config(self, config):
         if getattr(config, "attn_logit_softcapping", None):

@@ -3,8 +3,7 @@ projections and grouped value heads; gated attention with partial (M)RoPE and ze
 norms; a dense MLP (``qwen3_5``) or a softmax-routed MoE with a gated shared expert trained with the
 Switch load-balancing loss (``qwen3_5_moe``).
 
-``qwen3_5_moe``'s adapter is written but not registered (see the note at the end). Only the text
-models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; config types
+Only the text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; config types
 ``qwen3_5_text`` / ``qwen3_5_moe_text``) run. The multimodal ``*ForConditionalGeneration`` wrappers
 (types ``qwen3_5`` / ``qwen3_5_moe``) are refused: their 3-axis MRoPE positions of image and video
 tokens are not path positions. For text tokens the three MRoPE axes carry the same position, so
@@ -100,10 +99,4 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
 
 
 register(Qwen3_5Adapter())
-# Qwen3_5MoeAdapter is not registered: on its tiny model (seed 11) under the split tests' sequence loss,
-# layer 0's fp32 gradients are ~5e-5 off the fp64 ones in stock transformers too (A_log: stock fp32
-# 6.5e-5, harts 8.0e-5 with no budget and 4.8e-5 under budget 2, on opposite sides), so the two harts
-# runs differ by 1.28e-4 relative, above the split-invariance bound (1e-4). The error is not the delta
-# rule's: with the whole chunked kernel in fp64 the difference is 1.5e-4; it comes from the layer's
-# fp32 projections and conv (as in stock), amplified by layer 0's backward (with the linear-attention
-# layer in fp64 except those, 8.3e-5; all of it in fp64, 6.4e-6).
+register(Qwen3_5MoeAdapter())

@@ -64,6 +64,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from harts.adapters.base import logit_softcap
 from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
 from harts.runtime.config import RunConfig
@@ -219,7 +220,7 @@ def _sharded_logprobs(module: nn.Module, sharded, rows: _Rows, temperature: floa
         hidden, _ = run_layout(model, layout, None, run.recompute_linear, sharded, None)
         device = hidden.device
         return row_logprobs(model.lm_head, hidden, rows.predictor.to(device), rows.target.to(device),
-                            run.chunk_rows, temperature)  # fmt: skip
+                            run.chunk_rows, temperature, softcap=logit_softcap(model))  # fmt: skip
 
 
 def _fsdp_divide_factor(module: nn.Module, world: int) -> float:

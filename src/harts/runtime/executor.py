@@ -21,9 +21,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts.adapters import adapter_for
+from harts.adapters.base import logit_softcap
 from harts.forest import Forest
 from harts.ops.backends import current_backend
-from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, token_logprobs
+from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, softcap_logits, token_logprobs
 from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
 from harts.runtime.handoff import LayerHandoff, MixerContext
@@ -40,6 +41,8 @@ class TreeOutput:
     """Final hidden states of a forest's unique tokens, and the model head to read them.
 
     - ``hidden_states`` [N, D]: after the model's final norm, in the forest's token order.
+    - ``softcap``: the final logit soft-cap the stock forward applies after the head (Gemma's
+      ``final_logit_softcapping``), or None; every reader here applies it, as the stock logits have it.
     """
 
     def __init__(
@@ -49,17 +52,21 @@ class TreeOutput:
         lm_head: nn.Module,
         layout: TreeLayout,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        *,
+        softcap: float | None,
     ):
         self.hidden_states = hidden_states
         self.forest = forest
         self.lm_head = lm_head
         self.layout = layout
         self.chunk_rows = chunk_rows
+        self.softcap = softcap
 
     def trajectory_logits(self, i: int) -> torch.Tensor:
-        """[len_i, vocab] logits of trajectory ``i``, equal to the stock forward of that trajectory alone."""
+        """[len_i, vocab] logits of trajectory ``i``, equal to the stock forward of that trajectory alone
+        (soft-capped where the stock forward caps them)."""
         idx = self.forest.trajectory_token_indices(i).to(self.hidden_states.device)
-        return self.lm_head(self.hidden_states[idx])
+        return softcap_logits(self.lm_head(self.hidden_states[idx]), self.softcap)
 
     def trajectory_logprobs(
         self, i: int, chunk_rows: int | None = None, temperature: float = 1.0
@@ -103,7 +110,7 @@ class TreeOutput:
         predictor, target = predictor.to(device), target.to(device)
         check_targets(target, self.lm_head)
         return row_logprobs(self.lm_head, self.hidden_states, predictor, target,
-                            chunk_rows or self.chunk_rows, temperature)  # fmt: skip
+                            chunk_rows or self.chunk_rows, temperature, softcap=self.softcap)  # fmt: skip
 
 
 def plain_linear_head(head: nn.Module) -> bool:
@@ -130,17 +137,21 @@ def check_targets(target: torch.Tensor, head: nn.Module) -> None:
         )
 
 
-def row_logprobs(head: nn.Module, hidden, predictor, target, chunk_rows: int, temperature: float = 1.0):
+def row_logprobs(head: nn.Module, hidden, predictor, target, chunk_rows: int, temperature: float = 1.0, *,
+                 softcap: float | None):
     """(logprob [R], entropy [R]) of rows (predicting index into ``hidden`` [N, D], target id).
 
     The softmax runs once per distinct predictor. A plain linear head takes the chunked path that
     reads its weight; any other head (LoRA, hooks, quantised, wrapped) is called as a module.
+    ``softcap``: the model's final logit soft-cap (:func:`harts.adapters.base.logit_softcap`),
+    applied before the temperature as the stock logits have it; a required keyword, so that no
+    reader of the head can leave it out.
     """
     unique, inverse = torch.unique(predictor, return_inverse=True)
     if plain_linear_head(head):
         return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias,
-                              chunk_rows=chunk_rows, temperature=temperature)  # fmt: skip
-    return head_token_logprobs(hidden[unique], head, inverse, target, chunk_rows, temperature)
+                              chunk_rows=chunk_rows, temperature=temperature, softcap=softcap)  # fmt: skip
+    return head_token_logprobs(hidden[unique], head, inverse, target, chunk_rows, temperature, softcap)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -247,4 +258,4 @@ def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> T
     check_inputs(model, forest)
     layout = layout_for(forest, model_device(model), run)
     hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)
-    return TreeOutput(hidden, forest, model.lm_head, layout, run.chunk_rows)
+    return TreeOutput(hidden, forest, model.lm_head, layout, run.chunk_rows, softcap=logit_softcap(model))

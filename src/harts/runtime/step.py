@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from harts.adapters.base import logit_softcap
 from harts.forest import Forest
 from harts.ops.precision import no_autocast
 from harts.plan.layout import TreeLayout
@@ -228,6 +229,7 @@ class _Parts:
         bounds = np.searchsorted(part_of_token[self.pred_np][row_order], np.arange(len(self.layouts) + 1))
         self.row_parts = [row_order[bounds[p] : bounds[p + 1]] for p in range(len(self.layouts))]
         self.num_layers = model.config.num_hidden_layers
+        self.softcap = logit_softcap(model)  # the stock head's final soft-cap, for every part's rows
         self.banks = HandoffBanks(self.layouts, forest.num_tokens)
         # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
         dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
@@ -279,7 +281,7 @@ class _Parts:
                 local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
                 lp, en = row_logprobs(
                     self.model.lm_head, hidden, local, self.target[rows].to(self.device), self.run.chunk_rows,
-                    self.temperature,
+                    self.temperature, softcap=self.softcap,
                 )  # fmt: skip
         extra = self.observer.after_part(p, lay, first, grad)
         inputs = self.observer.term_inputs() if extra is not None and segments is not None else []
