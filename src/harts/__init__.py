@@ -25,8 +25,10 @@ from harts.objectives import (
     Normalizers,
     PolicyLossConfig,
     Rollout,
+    ValueLossConfig,
     build_loss_rows,
     estimate_advantages,
+    gae_advantages,
     normalizers_for,
     rollouts_from_batch,
     with_advantages,
@@ -49,7 +51,7 @@ from harts.runtime import (
     next_token_rows,
     score,
 )
-from harts.train import forest_step, moe_stats, rollout_step
+from harts.train import forest_step, moe_stats, rollout_step, value_step
 
 __all__ = [
     # forests and plans
@@ -59,7 +61,8 @@ __all__ = [
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
     "forest_logprobs", "ForestLogprobs",
     # critics and reward models
-    "forward_values", "ForestValues", "score", "ForestScores", "ValueHead",
+    "forward_values", "ForestValues", "score", "ForestScores", "ValueHead", "value_step", "ValueLossConfig",
+    "gae_advantages",
     # one step
     "rollout_step", "forest_step", "forest_backward", "next_token_rows", "StepResult", "PartObserver",
     # objectives

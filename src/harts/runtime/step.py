@@ -93,6 +93,8 @@ class StepResult:
     - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch that ran
       forward and backward once, two for one that ran without autograd first and again in backward
       (``part_forwards - num_micro_batches`` parts were recomputed).
+    - ``value``: per row [R], detached, the critic's values of a :func:`harts.value_step` (its
+      ``logprob`` holds the same values, the readout's first quantity), else None.
     - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
       from (``harts.rollouts_from_batch``), else None; :meth:`to_batch` uses it.
     """
@@ -110,6 +112,7 @@ class StepResult:
     rows: Any = None
     batch_layout: Any = None
     part_forwards: int = 0
+    value: Any = None
 
     def to_batch(self, values: Tensor | None = None, fill: float = 0.0) -> Tensor:
         """Per-row ``values`` (default: ``logprob``) in the caller's padded or packed layout: the
