@@ -95,6 +95,8 @@ def test_refusals_before_compute():
         harts.forward_values(tiny_model("qwen3"), TRAJECTORIES)
     with pytest.raises(ValueError, match="has no lm_head"):
         harts.forest_logprobs(critic("qwen3"), TRAJECTORIES)
+    with pytest.raises(ValueError, match="harts.forward_values"):
+        harts.forward(critic("qwen3"), harts.build_forest(TRAJECTORIES))
     training = AutoModelForTokenClassification.from_config(tiny_config("qwen3", num_labels=1)).train()
     with pytest.raises(ValueError, match="dropout is active"):
         harts.forward_values(training, TRAJECTORIES)
