@@ -9,6 +9,7 @@ batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows
 """
 
 from harts.adapters import supported_families
+from harts.adapters.value_head import ValueHead
 from harts.batch_layout import BatchLayout
 from harts.data.rollout_files import iter_rollout_steps, read_rollouts
 from harts.forest import Forest, build_forest
@@ -24,8 +25,10 @@ from harts.objectives import (
     Normalizers,
     PolicyLossConfig,
     Rollout,
+    ValueLossConfig,
     build_loss_rows,
     estimate_advantages,
+    gae_advantages,
     normalizers_for,
     rollouts_from_batch,
     with_advantages,
@@ -34,6 +37,8 @@ from harts.plan.micro_batches import MicroBatchPlan, Part, plan_micro_batches
 from harts.plan.waves import LinearCostModel, PlanMode
 from harts.runtime import (
     ForestLogprobs,
+    ForestScores,
+    ForestValues,
     PartObserver,
     RouterRecorder,
     RunConfig,
@@ -42,9 +47,11 @@ from harts.runtime import (
     forest_backward,
     forest_logprobs,
     forward,
+    forward_values,
     next_token_rows,
+    score,
 )
-from harts.train import forest_step, moe_stats, rollout_step
+from harts.train import forest_step, moe_stats, rollout_step, value_step
 
 __all__ = [
     # forests and plans
@@ -53,6 +60,9 @@ __all__ = [
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
     "forest_logprobs", "ForestLogprobs",
+    # critics and reward models
+    "forward_values", "ForestValues", "score", "ForestScores", "ValueHead", "value_step", "ValueLossConfig",
+    "gae_advantages",
     # one step
     "rollout_step", "forest_step", "forest_backward", "next_token_rows", "StepResult", "PartObserver",
     # objectives

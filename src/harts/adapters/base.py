@@ -100,6 +100,9 @@ class FamilyAdapter:
     # (c * tanh(logits / c)), and harts' head readers apply it (harts.ops.logprobs ``softcap``);
     # elsewhere a set final_logit_softcapping is refused
     final_logit_softcapping: bool = False
+    # the adapter's final_norm folds a logit multiplier of the causal LM's head into the hidden states
+    # (falcon_h1, granitemoehybrid): right for lm_head, wrong for any other head over the backbone
+    folds_logit_scale: bool = False
     modeling_package: dict[str, str] = {}  # model type -> transformers.models package, where they differ
     # model type -> (oldest transformers version, why older ones are refused): where the stock
     # modeling code of older versions is itself wrong, so no exact equivalent exists
@@ -269,12 +272,18 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"unsupported model family {model_type!r} ({type(model).__name__}); "
             f"harts supports: {', '.join(supported_families())}"
         )
-    if not hasattr(model, "lm_head") or not hasattr(model, "model"):
+    if not hasattr(model, "model") or not (hasattr(model, "lm_head") or hasattr(model, "score")):
         raise ValueError(
-            "expected a causal LM with .model and .lm_head (e.g. AutoModelForCausalLM), "
-            f"got {type(model).__name__}"
+            "expected a causal LM with .model and .lm_head (e.g. AutoModelForCausalLM), or a critic or "
+            f"reward model with .model and .score (e.g. AutoModelForTokenClassification), got "
+            f"{type(model).__name__}"
         )
     adapter = _REGISTRY[model_type]
+    if not hasattr(model, "lm_head") and adapter.folds_logit_scale:
+        raise ValueError(
+            f"{model_type}: harts folds the family's logit scale into the final norm's output (exact for its "
+            f"lm_head only), so a score head over the backbone's hidden states is not supported"
+        )
     check_common_config(config, sliding_windows=adapter.sliding_windows,
                         final_logit_softcapping=adapter.final_logit_softcapping)  # fmt: skip
     adapter.check_config(config)

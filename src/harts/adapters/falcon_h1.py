@@ -96,6 +96,8 @@ class FalconH1Adapter(FamilyAdapter):
     def embedding(self, backbone):
         return Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
 
+    folds_logit_scale = True  # final_norm scales by the head multiplier (module docstring)
+
     def final_norm(self, backbone):
         return Scaled(backbone.final_layernorm, backbone.lm_head_multiplier)
 

@@ -70,6 +70,8 @@ class GraniteMoeHybridAdapter(FamilyAdapter):
     def embedding(self, backbone):
         return Scaled(backbone.embed_tokens, backbone.embedding_multiplier)
 
+    folds_logit_scale = True  # final_norm scales by the head multiplier (module docstring)
+
     def final_norm(self, backbone):
         return Scaled(backbone.norm, 1.0 / backbone.config.logits_scaling)
 

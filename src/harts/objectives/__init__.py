@@ -2,7 +2,8 @@
 
 ``rollout``: the input dataclass and its checks. ``rows``: one row per (trajectory, predicted
 position) over a forest. ``losses``: SFT, PPO/DAPO/dual clip, GSPO, KL, entropy, aggregation by
-global normalisers. ``advantages``: GRPO, Dr. GRPO, RLOO, tree and first-error-step estimators.
+global normalisers. ``advantages``: GRPO, Dr. GRPO, RLOO, tree, first-error-step and GAE
+estimators. ``values``: the critic's clipped value loss and explained variance.
 ``moe``: router statistics weighted by multiplicity (aux loss, expert counts). Everything here is
 a pure function of tensors, rows and forests: nothing calls a model (that is
 :func:`harts.rollout_step`'s job). Formulas and sources: ``docs/objectives.md``.
@@ -14,6 +15,7 @@ from harts.objectives.advantages import (
     advantages_to_rollouts,
     dr_grpo_advantages,
     estimate_advantages,
+    gae_advantages,
     grpo_advantages,
     pitfall_advantages,
     rloo_advantages,
@@ -54,6 +56,7 @@ from harts.objectives.rollout import (
     validate_rollouts,
 )
 from harts.objectives.rows import LossRows, build_loss_rows, unique_predictors
+from harts.objectives.values import ValueLossConfig, clipped_value_loss, explained_variance, value_loss
 
 __all__ = [
     "Rollout", "CheckedRollout", "validate_rollouts", "BatchRollouts", "rollouts_from_batch",
@@ -62,8 +65,9 @@ __all__ = [
     "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
     "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES",
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
-    "pitfall_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "estimate_advantages",
-    "with_advantages", "advantages_to_rollouts",
+    "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS",
+    "estimate_advantages", "with_advantages", "advantages_to_rollouts",
     "MoEConfig", "MoEStats", "load_balancing_loss", "routing_sums", "aux_loss_from_sums", "expert_counts",
     "bias_update",
+    "ValueLossConfig", "value_loss", "clipped_value_loss", "explained_variance",
 ]  # fmt: skip

@@ -8,8 +8,12 @@ first-error-step ("pitfall") advantages (process supervision: Uesato et al. 2022
 2023). :func:`estimate_advantages` runs one by name and writes the result into the rows;
 :func:`advantages_to_rollouts` writes it back into rollouts, for a step that is split later.
 
+GAE (Schulman et al. 2016) gives each row its advantage and return from per-token rewards and a
+learned critic's values (``Rollout.values``), per trajectory, as verl's
+``compute_gae_advantage_return`` does (:func:`gae_advantages`).
+
 Estimate on the rows of a whole step (or at least of whole groups): a group's baseline needs all
-of its rewards. What this leaves out: learned critics (GAE) and reward shaping.
+of its rewards, and GAE's whitening the statistics of all rows. What this leaves out: reward shaping.
 Shapes: B trajectories, G groups, M forest nodes, R rows.
 """
 
@@ -28,8 +32,8 @@ from harts.objectives.rows import LossRows
 
 __all__ = [
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
-    "pitfall_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "estimate_advantages",
-    "with_advantages", "advantages_to_rollouts",
+    "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS",
+    "estimate_advantages", "with_advantages", "advantages_to_rollouts",
 ]  # fmt: skip
 
 Tensor = torch.Tensor
@@ -158,6 +162,76 @@ def pitfall_advantages(rows: LossRows, a_pos: float = 1.0, a_neg: float = 1.0) -
     return torch.where(failed, torch.full_like(pos, -a_neg), pos)
 
 
+def gae_advantages(
+    rows: LossRows,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    token_rewards: Tensor | None = None,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """(advantages [R], returns [R]): generalised advantage estimation over each trajectory's rows.
+
+    Along a trajectory's rows t = 1..T in position order (its loss-bearing positions; the others,
+    prompt or tool tokens, are skipped, as verl's mask skips them), with V_t the rollout-time value
+    of row t (``rows.rollout_value``) and r_t its reward::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t        (V_{T+1} = 0: the episode ends)
+        A_t     = delta_t + gamma * lam * A_{t+1}    (A_{T+1} = 0)
+        returns_t = A_t + V_t
+
+    then, with ``whiten``, the advantages of all rows are whitened together:
+    ``(A - mean) / sqrt(var + 1e-8)`` with the unbiased variance (verl's ``masked_whiten``); the
+    returns are not. ``token_rewards`` [R]: each row's reward; None puts each trajectory's
+    ``reward`` on its last row (verl's ``token_level_rewards`` of an outcome reward) and 0
+    elsewhere. Computed in fp64, returned in the rows' dtype on their device.
+    """
+    if not rows.has_rollout_value:
+        raise ValueError("gae needs the critic's rollout-time values: give the rollouts values "
+                         "(harts.forward_values)")  # fmt: skip
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gae needs 0 <= gamma <= 1 and 0 <= lam <= 1, got gamma={gamma}, lam={lam}")
+    traj = rows.trajectory.cpu()
+    num_rows, num = rows.num_rows, rows.num_trajectories
+    starts = torch.searchsorted(traj, torch.arange(num + 1))  # rows come trajectory by trajectory
+    if token_rewards is None:
+        reward = _rewards(rows, "gae").cpu().double()
+        token_rewards = torch.zeros(num_rows, dtype=torch.float64)
+        has_rows = starts[1:] > starts[:-1]
+        token_rewards[starts[1:][has_rows] - 1] = reward[has_rows]
+    else:
+        if not isinstance(token_rewards, Tensor) or token_rewards.shape != (num_rows,):
+            raise ValueError(f"token_rewards must be a tensor [R] = ({num_rows},), got "
+                             f"{tuple(getattr(token_rewards, 'shape', ()))}")  # fmt: skip
+        if not bool(torch.isfinite(token_rewards).all()):
+            bad = int((~torch.isfinite(token_rewards)).nonzero()[0, 0])
+            raise ValueError(f"trajectory {int(traj[bad])}, position {int(rows.position[bad])}: "
+                             f"token reward is {float(token_rewards[bad])}")  # fmt: skip
+        token_rewards = token_rewards.detach().cpu().double()
+    values = rows.rollout_value.detach().cpu().double()
+    # rows as a right-padded [B, T] grid, swept backwards in one vectorised loop over T
+    rank = torch.arange(num_rows) - starts[traj]
+    width = int(rank.max()) + 1 if num_rows else 0
+    grid_r = torch.zeros(num, width + 1, dtype=torch.float64)
+    grid_v = torch.zeros(num, width + 1, dtype=torch.float64)
+    grid_r[traj, rank], grid_v[traj, rank] = token_rewards, values
+    grid_a = torch.zeros(num, width + 1, dtype=torch.float64)  # column ``width``: after every end
+    for t in range(width - 1, -1, -1):
+        delta = grid_r[:, t] + gamma * grid_v[:, t + 1] - grid_v[:, t]
+        grid_a[:, t] = delta + gamma * lam * grid_a[:, t + 1]
+    advantages = grid_a[traj, rank]
+    returns = advantages + values
+    if whiten:
+        if num_rows < 2:
+            raise ValueError(f"gae's whitening needs at least 2 rows (an unbiased variance), got {num_rows}")
+        advantages = (advantages - advantages.mean()) * torch.rsqrt(advantages.var(unbiased=True) + 1e-8)
+    dtype, device = rows.weight.dtype, rows.device
+    return advantages.to(device=device, dtype=dtype), returns.to(device=device, dtype=dtype)
+
+
+def _gae(rows: LossRows, forest: Forest | None = None, **params) -> Tensor:
+    return gae_advantages(rows, **params)[0]
+
+
 # ---- registry ------------------------------------------------------------------------------------
 class AdvantageEstimator(StrEnum):
     GRPO = "grpo"
@@ -165,6 +239,7 @@ class AdvantageEstimator(StrEnum):
     RLOO = "rloo"
     TREE = "tree"
     PITFALL = "pitfall"
+    GAE = "gae"
 
 
 def _per_trajectory(fn):
@@ -191,6 +266,7 @@ ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, Callable[..., Tensor]] = {
     AdvantageEstimator.RLOO: _per_trajectory(rloo_advantages),
     AdvantageEstimator.TREE: _tree,
     AdvantageEstimator.PITFALL: _pitfall,
+    AdvantageEstimator.GAE: _gae,
 }
 
 
@@ -218,8 +294,11 @@ def estimate_advantages(
     return with_advantages(rows, fn(rows, forest, **params))
 
 
-def advantages_to_rollouts(rollouts: Sequence[Rollout], rows: LossRows, advantages: Tensor) -> list[Rollout]:
-    """Copies of ``rollouts`` whose ``advantages`` hold ``advantages`` [R] at each row's position.
+def advantages_to_rollouts(
+    rollouts: Sequence[Rollout], rows: LossRows, advantages: Tensor, returns: Tensor | None = None
+) -> list[Rollout]:
+    """Copies of ``rollouts`` whose ``advantages`` hold ``advantages`` [R] at each row's position
+    (and ``returns`` hold ``returns`` [R], GAE's, when given).
 
     ``rows`` must be ``build_loss_rows(forest, rollouts)``. Positions without a row get 0.
     """
@@ -229,13 +308,19 @@ def advantages_to_rollouts(rollouts: Sequence[Rollout], rows: LossRows, advantag
         )
     if advantages.shape != (rows.num_rows,):
         raise ValueError(f"advantages must be [R] = ({rows.num_rows},), got {tuple(advantages.shape)}")
-    values = advantages.detach().cpu().double().numpy()
+    if returns is not None and returns.shape != (rows.num_rows,):
+        raise ValueError(f"returns must be [R] = ({rows.num_rows},), got {tuple(returns.shape)}")
     traj = rows.trajectory.cpu().numpy()
     position = rows.position.cpu().numpy()
     bounds = np.searchsorted(traj, np.arange(len(rollouts) + 1))  # rows come trajectory by trajectory
+    fields = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
+    fields = {name: values.detach().cpu().double().numpy() for name, values in fields.items()}
     out = []
     for i, r in enumerate(rollouts):
-        per_position = np.zeros(len(r.tokens), dtype=np.float64)
-        per_position[position[bounds[i] : bounds[i + 1]]] = values[bounds[i] : bounds[i + 1]]
-        out.append(replace(r, advantages=per_position))
+        per_field = {}
+        for name, values in fields.items():
+            per_position = np.zeros(len(r.tokens), dtype=np.float64)
+            per_position[position[bounds[i] : bounds[i + 1]]] = values[bounds[i] : bounds[i + 1]]
+            per_field[name] = per_position
+        out.append(replace(r, **per_field))
     return out

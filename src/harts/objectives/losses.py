@@ -12,7 +12,7 @@ Objectives: SFT cross entropy; PPO clip (Schulman et al. 2017) with DAPO's asymm
 KL penalties k1/k2/k3 (Schulman 2020); entropy bonus. See ``docs/objectives.md`` for formulas.
 
 What this leaves out: logits and log-probs (``harts.ops.logprobs``), advantages
-(``advantages.py``), value-function losses (no critic in harts).
+(``advantages.py``), the critic's value loss (``values.py``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ __all__ = [
 # Samplers compute log_softmax in low precision; a log-prob this far above 0 is rounding, not a bug.
 LOGPROB_SLACK = 1e-6
 
-_PER_POSITION = ("loss_mask", "rollout_logprobs", "ref_logprobs", "advantages")
+_PER_POSITION = ("loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "returns", "values")
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +59,11 @@ class Rollout:
     - ``rollout_logprobs`` [L] or None: log-prob the sampler gave each token (position 0 ignored).
     - ``ref_logprobs`` [L] or None: log-prob of each token under the reference policy (for KL).
     - ``advantages`` [L], a number, or None: advantage of each token.
+    - ``returns`` [L] or None: the critic's regression target at each token (GAE's returns), for
+      :func:`harts.value_step`.
+    - ``values`` [L] or None: the critic's values at rollout time, aligned as
+      :func:`harts.forward_values` gives them (position ``p`` read from the state after token
+      ``p - 1``): the clipping anchor of the value loss and the baseline of GAE.
     - ``reward``: the trajectory's scalar reward, or None.
     - ``group_id``: hashable id of the trajectory's group (GRPO group: same prompt); None makes the
       trajectory a group of its own.
@@ -74,6 +79,8 @@ class Rollout:
     reward: float | None = None
     group_id: Hashable | None = None
     first_error_position: int | None = None
+    returns: Any = None
+    values: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +98,8 @@ class CheckedRollout:
     reward: float | None
     group_id: Hashable | None
     first_error_position: int | None
+    returns: np.ndarray | None = None
+    values: np.ndarray | None = None
 
 
 def _to_numpy(values, name: str, index: int) -> np.ndarray:
@@ -266,19 +275,22 @@ def rollouts_from_batch(
     advantages=None,
     rewards=None,
     group_ids=None,
+    returns=None,
+    values=None,
 ) -> BatchRollouts:
     """Rollouts from a padded batch (``input_ids`` [B, L] and ``attention_mask``) or a packed one
     (``input_ids`` [T] or [1, T] and ``cu_seqlens`` or ``position_ids``).
 
     Per-token annotations (``loss_mask``, e.g. verl's response mask over the whole sequence;
-    ``rollout_logprobs``; ``ref_logprobs``; ``advantages``) have the shape of ``input_ids``: each
-    trajectory takes its own tokens' values, padding is dropped. Per-trajectory ``rewards`` and
-    ``group_ids`` have one entry per trajectory. A 2-D ``input_ids`` without a mask is refused.
+    ``rollout_logprobs``; ``ref_logprobs``; ``advantages``; a critic's ``returns`` and ``values``)
+    have the shape of ``input_ids``: each trajectory takes its own tokens' values, padding is
+    dropped. Per-trajectory ``rewards`` and ``group_ids`` have one entry per trajectory. A 2-D
+    ``input_ids`` without a mask is refused.
     """
     layout = batch_layout(input_ids, attention_mask, cu_seqlens, position_ids)
     tokens = layout.split(input_ids, "input_ids")
     per_token = {"loss_mask": loss_mask, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
-                 "advantages": advantages}  # fmt: skip
+                 "advantages": advantages, "returns": returns, "values": values}  # fmt: skip
     split = {name: layout.split(v, name) for name, v in per_token.items() if v is not None}
     n = layout.num_trajectories
     for name, values in (("rewards", rewards), ("group_ids", group_ids)):

@@ -44,6 +44,8 @@ class LossRows:
     - ``weight``: the float loss mask, 1.0 for every row (masked positions have no row).
     - ``advantage``, ``rollout_logprob``, ``ref_logprob``: the annotations at ``p``; zeros where the
       batch has none (see the ``has_*`` flags), never NaN.
+    - ``value_target``, ``rollout_value``: a critic's annotations at ``p`` (``Rollout.returns`` and
+      ``Rollout.values``), zeros where absent (``has_value_target``, ``has_rollout_value``).
 
     Per trajectory [B]:
 
@@ -71,6 +73,15 @@ class LossRows:
     has_advantage: bool = False
     has_rollout_logprob: bool = False
     has_ref_logprob: bool = False
+    value_target: torch.Tensor | None = None
+    rollout_value: torch.Tensor | None = None
+    has_value_target: bool = False
+    has_rollout_value: bool = False
+
+    def __post_init__(self):  # rows built without a critic's annotations: zeros, as for the others
+        for name in ("value_target", "rollout_value"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, torch.zeros_like(self.weight))
 
     @property
     def num_rows(self) -> int:
@@ -92,7 +103,7 @@ class LossRows:
         """
         index = torch.as_tensor(index, dtype=torch.long, device=self.device)
         per_row = ("predictor", "target", "target_index", "trajectory", "position", "weight", "advantage",
-                   "rollout_logprob", "ref_logprob")  # fmt: skip
+                   "rollout_logprob", "ref_logprob", "value_target", "rollout_value")  # fmt: skip
         return replace(self, **{name: getattr(self, name)[index] for name in per_row})
 
     def to(self, device) -> LossRows:
@@ -105,7 +116,8 @@ class LossRows:
         return replace(self, **moved)
 
     def __repr__(self) -> str:
-        flags = [n for n in ("advantage", "rollout_logprob", "ref_logprob") if getattr(self, f"has_{n}")]
+        flags = [n for n in ("advantage", "rollout_logprob", "ref_logprob", "value_target", "rollout_value")
+                 if getattr(self, f"has_{n}")]  # fmt: skip
         flags = flags or "no annotations"
         return f"LossRows({self.num_rows} rows, {self.num_trajectories} trajectories, with {flags})"
 
@@ -175,6 +187,8 @@ def build_loss_rows(
     advantage, has_adv = annotation("advantages")
     rollout_lp, has_rollout = annotation("rollout_logprobs")
     ref_lp, has_ref = annotation("ref_logprobs")
+    value_target, has_target = annotation("returns")
+    rollout_value, has_value = annotation("values")
     rewards = [c.reward for c in checked]
     errors = [c.first_error_position for c in checked]
     return LossRows(
@@ -195,6 +209,10 @@ def build_loss_rows(
         has_advantage=has_adv,
         has_rollout_logprob=has_rollout,
         has_ref_logprob=has_ref,
+        value_target=value_target,
+        rollout_value=rollout_value,
+        has_value_target=has_target,
+        has_rollout_value=has_value,
     )
 
 

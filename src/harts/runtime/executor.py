@@ -256,6 +256,11 @@ def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> T
         )
     model = resolve_model(model)
     check_inputs(model, forest)
+    if not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"harts.forward reads a causal LM's lm_head; {type(model).__name__} has none: a critic's values "
+            f"come from harts.forward_values, a reward model's scores from harts.score"
+        )
     layout = layout_for(forest, model_device(model), run)
     hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)
     return TreeOutput(hidden, forest, model.lm_head, layout, run.chunk_rows, softcap=logit_softcap(model))

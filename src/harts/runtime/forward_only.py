@@ -42,9 +42,10 @@ from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import check_inputs, resolve_model
+from harts.runtime.readout import Readout, readout_for
 from harts.runtime.step import PartObserver, _check_rows, _Parts
 
-__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_logprobs"]
+__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs"]
 
 Tensor = torch.Tensor
 
@@ -129,14 +130,33 @@ def forest_row_logprobs(
     micro-batch. ``temperature`` T: of ``softmax(logits / T)``. Every check runs before any
     compute.
     """
+    return forest_row_readout(model, forest, predictor, target, None, run=run, budget_tokens=budget_tokens,
+                              temperature=temperature)  # fmt: skip
+
+
+def forest_row_readout(
+    model: nn.Module,
+    forest: Forest,
+    predictor,
+    target,
+    readout: Readout | None,
+    *,
+    run: RunConfig | None = None,
+    budget_tokens: int | None = None,
+    temperature: float = 1.0,
+) -> RowLogprobs:
+    """:func:`forest_row_logprobs` with any :class:`~harts.runtime.readout.Readout` (None: the
+    model's log-probs): a critic's values or a reward model's scores at the rows' predictors come
+    from the same forward-only pass, in ``logprob`` (``entropy`` then holds zeros)."""
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
     temperature = check_temperature(temperature)
     model = resolve_model(_runnable(model))
     check_inputs(model, forest)
-    predictor, target = _check_rows(forest, predictor, target, model.lm_head)
+    readout = readout_for(model, readout, temperature)
+    predictor, target = _check_rows(forest, predictor, target, readout)
     with torch.no_grad():
-        parts = _Parts(model, forest, predictor, target, None, run, PartObserver(), temperature)
+        parts = _Parts(model, forest, predictor, target, None, run, PartObserver(), readout)
         parts.forward_only()
     timings = {
         "plan": parts.clock.seconds["plan"] + parts.layout_seconds,
@@ -220,25 +240,45 @@ def forest_logprobs(
         positions = [_loss_positions(m, i, n) for i, (m, n) in enumerate(zip(masks, lengths, strict=True))]
     else:
         positions = [np.arange(1, n) for n in lengths]
+    predictor, target = position_rows(forest, positions)
+    rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
+                               temperature=temperature)  # fmt: skip
+    scatter = PositionScatter(lengths, positions, rows.logprob.device)
+    return ForestLogprobs(
+        scatter(rows.logprob, fill), scatter(rows.entropy, fill) if entropies else None, scatter.scored(),
+        forest, rows,
+    )  # fmt: skip
+
+
+def position_rows(forest: Forest, positions: list[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """(predictor [R], target [R]) of the rows at ``positions[i]`` (each ``p >= 1``) of every
+    trajectory ``i``: the unique token of position ``p - 1``, which reads position ``p``, and the
+    token id at ``p``. A critic's value of position ``p`` is read there too (``V(h_{p-1})``)."""
     paths = [forest.trajectory_token_indices(i) for i in range(forest.num_trajectories)]
     pos = [torch.as_tensor(p, dtype=torch.long) for p in positions]
     predictor = torch.cat([path[p - 1] for path, p in zip(paths, pos, strict=True)])
     target = forest.tokens[torch.cat([path[p] for path, p in zip(paths, pos, strict=True)])]
-    rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
-                               temperature=temperature)  # fmt: skip
-    device = rows.logprob.device
-    offsets = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    where = torch.as_tensor(np.concatenate([o + p for o, p in zip(offsets, positions, strict=True)])
-                            .astype(np.int64), device=device)  # fmt: skip
+    return predictor, target
 
-    def per_trajectory(values: Tensor) -> list[Tensor]:
-        out = torch.full((sum(lengths),), fill, dtype=values.dtype, device=device)
-        out[where] = values
-        return list(torch.split(out, lengths))
 
-    scored = torch.zeros(sum(lengths), dtype=torch.bool)
-    scored[where.cpu()] = True
-    return ForestLogprobs(
-        per_trajectory(rows.logprob), per_trajectory(rows.entropy) if entropies else None,
-        list(torch.split(scored, lengths)), forest, rows,
-    )  # fmt: skip
+class PositionScatter:
+    """Row values (in the order of ``positions``, trajectory by trajectory) back to per-trajectory
+    tensors [L_i], ``fill`` where no row was read."""
+
+    def __init__(self, lengths: list[int], positions: list[np.ndarray], device):
+        self.lengths, self.device = lengths, device
+        offsets = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64)
+        pairs = zip(offsets, positions, strict=True)
+        where = np.concatenate([o + np.asarray(p, dtype=np.int64) for o, p in pairs])
+        self.where = torch.as_tensor(where, device=device)
+
+    def __call__(self, values: Tensor, fill: float) -> list[Tensor]:
+        out = torch.full((sum(self.lengths),), fill, dtype=values.dtype, device=self.device)
+        out[self.where] = values
+        return list(torch.split(out, self.lengths))
+
+    def scored(self) -> list[Tensor]:
+        """[L_i] bool per trajectory: where a value was read."""
+        scored = torch.zeros(sum(self.lengths), dtype=torch.bool)
+        scored[self.where.cpu()] = True
+        return list(torch.split(scored, self.lengths))

@@ -53,7 +53,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from harts.adapters.base import logit_softcap
 from harts.forest import Forest
 from harts.ops.precision import no_autocast
 from harts.plan.layout import TreeLayout
@@ -61,14 +60,13 @@ from harts.plan.micro_batches import plan_micro_batches
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import (
     check_inputs,
-    check_targets,
     layout_for,
     model_device,
     resolve_model,
-    row_logprobs,
     run_layout,
 )
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
+from harts.runtime.readout import Readout, readout_for
 from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
@@ -95,6 +93,8 @@ class StepResult:
     - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch that ran
       forward and backward once, two for one that ran without autograd first and again in backward
       (``part_forwards - num_micro_batches`` parts were recomputed).
+    - ``value``: per row [R], detached, the critic's values of a :func:`harts.value_step` (its
+      ``logprob`` holds the same values, the readout's first quantity), else None.
     - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
       from (``harts.rollouts_from_batch``), else None; :meth:`to_batch` uses it.
     """
@@ -112,6 +112,7 @@ class StepResult:
     rows: Any = None
     batch_layout: Any = None
     part_forwards: int = 0
+    value: Any = None
 
     def to_batch(self, values: Tensor | None = None, fill: float = 0.0) -> Tensor:
         """Per-row ``values`` (default: ``logprob``) in the caller's padded or packed layout: the
@@ -168,7 +169,7 @@ def _split_loss(value) -> tuple[Tensor, dict[str, Tensor]]:
     return value, {}
 
 
-def _check_rows(forest: Forest, predictor, target, head: nn.Module) -> tuple[Tensor, Tensor]:
+def _check_rows(forest: Forest, predictor, target, readout: Readout) -> tuple[Tensor, Tensor]:
     predictor = torch.as_tensor(predictor, dtype=torch.long)
     target = torch.as_tensor(target, dtype=torch.long)
     if predictor.shape != target.shape or predictor.dim() != 1:
@@ -177,7 +178,7 @@ def _check_rows(forest: Forest, predictor, target, head: nn.Module) -> tuple[Ten
         )
     if predictor.numel() and (predictor.min() < 0 or predictor.max() >= forest.num_tokens):
         raise ValueError(f"predictor indices must lie in [0, {forest.num_tokens})")
-    check_targets(target, head)
+    readout.check_targets(target)
     return predictor.cpu(), target.cpu()
 
 
@@ -209,10 +210,11 @@ class _Clock:
 class _Parts:
     """The parts of one step: their forwards, backwards, and the two orders they run in."""
 
-    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, temperature, sharded=None):
+    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, readout: Readout,
+                 sharded=None):  # fmt: skip
         self.model, self.loss_fn, self.run, self.observer = model, loss_fn, run, observer
         self.sharded = sharded
-        self.temperature = temperature
+        self.readout = readout
         self.target = target
         self.device = model_device(model)
         self.clock = _Clock()
@@ -229,10 +231,9 @@ class _Parts:
         bounds = np.searchsorted(part_of_token[self.pred_np][row_order], np.arange(len(self.layouts) + 1))
         self.row_parts = [row_order[bounds[p] : bounds[p + 1]] for p in range(len(self.layouts))]
         self.num_layers = model.config.num_hidden_layers
-        self.softcap = logit_softcap(model)  # the stock head's final soft-cap, for every part's rows
         self.banks = HandoffBanks(self.layouts, forest.num_tokens)
         # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
-        dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
+        dtype = readout.dtype
         self.logp = torch.empty(predictor.numel(), device=self.device, dtype=dtype)
         self.ent = torch.empty(predictor.numel(), device=self.device, dtype=dtype)
         self.loss = torch.zeros((), device=self.device)
@@ -279,10 +280,7 @@ class _Parts:
                                          segments)  # fmt: skip
             if rows.size:
                 local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
-                lp, en = row_logprobs(
-                    self.model.lm_head, hidden, local, self.target[rows].to(self.device), self.run.chunk_rows,
-                    self.temperature, softcap=self.softcap,
-                )  # fmt: skip
+                lp, en = self.readout(hidden, local, self.target[rows].to(self.device), self.run.chunk_rows)
         extra = self.observer.after_part(p, lay, first, grad)
         inputs = self.observer.term_inputs() if extra is not None and segments is not None else []
         part_run = _PartRun(exports, lp, en, leaves, extra, segments, inputs)
@@ -503,6 +501,7 @@ def forest_backward(
     observer: PartObserver | None = None,
     temperature: float = 1.0,
     sharded: ShardedStep | None = None,
+    readout: Readout | None = None,
 ) -> StepResult:
     """Accumulate into ``.grad`` the gradients of ``loss_fn(logprob, entropy)`` over rows.
 
@@ -518,18 +517,23 @@ def forest_backward(
     ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
     distribution a sampler at T drew from. ``sharded``: the FSDP2 step of
     :func:`harts.runtime.distributed.data_parallel_step` (units gathered one at a time; the
-    model is that step's). Every check runs before any compute. Returns the loss, the row
-    log-probs and entropies, and what the plan did.
+    model is that step's). ``readout``: what the rows read from their predictor's final hidden
+    state (:mod:`harts.runtime.readout`; default: the log-prob of the target and the entropy
+    under ``model.lm_head``; :class:`~harts.runtime.readout.ScalarReadout` gives a critic's
+    values, passed to ``loss_fn`` in place of the log-probs). Every check runs before any
+    compute. Returns the loss, the row log-probs and entropies (or the readout's two
+    quantities), and what the plan did.
     """
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
     observer = observer or PartObserver()
     model = resolve_model(model)
     check_inputs(model, forest)
-    predictor, target = _check_rows(forest, predictor, target, model.lm_head)
+    readout = readout_for(model, readout, temperature)
+    predictor, target = _check_rows(forest, predictor, target, readout)
     by_trajectory = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
     by_row = by_trajectory and getattr(loss_fn, "separable_rows", False)
-    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, temperature, sharded)
+    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
     everything = list(range(len(parts.layouts)))
     if len(everything) == 1 or by_row:
         parts.depth_first(everything)

@@ -1,0 +1,101 @@
+"""One critic step: PPO's clipped value loss over a forest, exact gradients under any budget.
+
+::
+
+    value_step: step_inputs (validate_rollouts -> build_forest -> build_loss_rows)
+                -> forest_backward with the critic's ScalarReadout and
+                   loss_fn = value_loss(value, rows, config, normalizers)
+
+The critic (a ``*ForTokenClassification`` with ``num_labels=1``, or :class:`harts.ValueHead`) runs
+once per unique token; each loss row (trajectory, position) reads the value of its predictor, the
+state after token ``p - 1`` (``harts.forward_values``' alignment), so a shared prefix's values are
+computed once and each trajectory's own returns and rollout-time values apply to them. The loss is
+a sum of per-row terms over the step's normalisers, so :func:`harts.forest_backward` runs every
+micro-batch forward and backward once, cut trees too, and any budget gives the gradients of no
+budget: the same engine as the policy step, with a different head read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from harts.objectives.losses import Normalizers, normalizers_for
+from harts.objectives.rollout import Rollout
+from harts.objectives.rows import LossRows
+from harts.objectives.values import ValueLossConfig, check_value_rows, explained_variance, value_loss
+from harts.runtime.config import RunConfig
+from harts.runtime.executor import model_device, resolve_model
+from harts.runtime.readout import ScalarReadout, scalar_head
+from harts.runtime.step import StepResult, forest_backward
+from harts.train.step import step_inputs
+
+__all__ = ["value_step"]
+
+Tensor = torch.Tensor
+
+
+class _ValueLoss:
+    """``value_loss`` over ``rows``; ``subset`` the same loss over some rows (a sum of per-row terms
+    over fixed normalisers: subsets of any rows add up, so cut trees run once)."""
+
+    separable_rows = True
+
+    def __init__(self, rows: LossRows, config: ValueLossConfig, normalizers: Normalizers):
+        self.rows, self.config, self.normalizers = rows, config, normalizers
+
+    def __call__(self, value: Tensor, _unused: Tensor):
+        return value_loss(value, self.rows, self.config, self.normalizers)
+
+    def subset(self, index: Tensor) -> _ValueLoss:
+        return _ValueLoss(self.rows.select(index), self.config, self.normalizers)
+
+
+def value_step(
+    critic: nn.Module,
+    rollouts: Sequence[Rollout],
+    config: ValueLossConfig | None = None,
+    *,
+    budget_tokens: int | None = None,
+    share_prefixes: bool = True,
+    normalizers: Normalizers | None = None,
+    run: RunConfig | None = None,
+) -> StepResult:
+    """Forward and backward of the critic's value loss over ``rollouts``; gradients into ``.grad``.
+
+    The rollouts need ``returns`` (and ``values``, the rollout-time values, unless
+    ``config.clip`` is None) at their loss-bearing positions; both are validated with the other
+    annotations before any compute (trajectory and position named). ``normalizers``: the whole
+    optimizer step's counts (None: this batch is the step). ``budget_tokens`` / ``run``: the
+    micro-batches; ``share_prefixes=False`` runs the flat layout.
+
+    Returns a :class:`~harts.runtime.step.StepResult`: ``loss``; ``value`` [R], the critic's value
+    of each row (also in ``logprob``; ``entropy`` holds zeros); ``rows``; ``metrics``
+    (``value_loss``, ``value_clip_fraction``, ``value_mean``, ``explained_variance`` of the new
+    values against the returns over the step's rows, ``loss``); and what the plan did.
+    """
+    config = ValueLossConfig() if config is None else config
+    if not isinstance(config, ValueLossConfig):
+        raise TypeError(f"expected a ValueLossConfig, got {type(config).__name__}")
+    run = RunConfig.resolve(run, budget_tokens)
+    model = resolve_model(critic)
+    head = scalar_head(model, "value_step")
+    forest, rows = step_inputs(model, rollouts, share_prefixes)
+    check_value_rows(rows, config)
+    if normalizers is None:
+        normalizers = normalizers_for(rows)
+    elif not isinstance(normalizers, Normalizers):
+        raise TypeError(f"expected Normalizers (see normalizers_for), got {type(normalizers).__name__}")
+    rows = rows.to(model_device(model))
+    loss = _ValueLoss(rows, config, normalizers)
+    result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
+                             readout=ScalarReadout(head))  # fmt: skip
+    result.rows = rows
+    result.value = result.logprob
+    result.metrics["explained_variance"] = explained_variance(result.value, rows.value_target).to(
+        result.loss.dtype
+    )
+    result.batch_layout = getattr(rollouts, "layout", None)
+    return result
