@@ -18,9 +18,10 @@ uninterrupted one would.
 Reused from ``harts train`` (:mod:`harts.trainer`): the config sections, the optimizers and
 schedules, atomic checkpoints with a manifest (``step-NNNNNN/``: the model as
 ``save_pretrained`` writes it, ``trainer_state.pt``, ``state.json``, ``config.toml``),
-``metrics.jsonl`` and TensorBoard. What this leaves out: several optimizer steps per batch (the
-loss is on-policy: the ratio is 1 up to rounding and PPO's clip never acts), a reference model
-for KL, MoE statistics and balancing, evaluation on held-out episodes.
+``metrics.jsonl`` and the ``[logging] backends`` (TensorBoard, wandb). What this leaves out:
+several optimizer steps per batch (the loss is on-policy: the ratio is 1 up to rounding and
+PPO's clip never acts), a reference model for KL, MoE statistics and balancing, evaluation on
+held-out episodes.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from harts.train.step import rollout_step, step_inputs
 from harts.trainer.checkpoint import latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
+from harts.trainer.logging_backends import check_backends, open_backends
 from harts.trainer.loop import TrainingDiverged
 from harts.trainer.optim import build_optimizers
-from harts.trainer.progress import MetricsLog, TensorBoard
+from harts.trainer.progress import MetricsLog
 
 __all__ = ["run_rl", "rl_step", "step_randomness", "TrainingDiverged"]
 
@@ -261,10 +263,11 @@ def run_rl(config: RLConfig, out: str | Path, resume: bool = False, log: TextIO 
 
 def _loop(run: _Run, resume: bool) -> dict:
     config = run.config
+    check_backends(config.logging.writers)  # a missing package refused before the model loads
     run.setup(resume)
     first = run.step
     metrics = MetricsLog(run.out / "metrics.jsonl", run.step)
-    board = TensorBoard(run.out / "tensorboard", run.log) if config.logging.tensorboard else None
+    backends = open_backends(config.logging.writers, run.out, config.table)
     last, session, rewards = None, 0.0, []
     try:
         while run.step < config.steps:
@@ -279,8 +282,8 @@ def _loop(run: _Run, resume: bool) -> dict:
             record = _record(run, sample, result, forest, grad_norm, lrs, sampled - began, ended - sampled)
             rewards.append(record["reward"])
             metrics.write(record)
-            if board is not None:
-                board.write({k: v for k, v in record.items() if k != "layout"})
+            for backend in backends:
+                backend.write(record)
             done = run.step == config.steps
             if done or run.step % config.logging.every == 0:
                 eta = session / (run.step - first) * (config.steps - run.step)
@@ -291,8 +294,8 @@ def _loop(run: _Run, resume: bool) -> dict:
                 run.say(f"checkpoint {last}")
     finally:
         metrics.close()
-        if board is not None:
-            board.close()
+        for backend in backends:
+            backend.close()
     if config.logging.plot:
         run.say(plot_run(run.out / "metrics.jsonl", run.out / "metrics.png"))
     tail = rewards[-max(1, len(rewards) // 10) :] if rewards else [float("nan")]
