@@ -355,10 +355,10 @@ def main() -> None:
                 print(f"{family} N={n}: P = {r['param_bytes'] / MIB:.1f} MiB, forest {r['forest_tokens']} "
                       f"unique / {r['forest_flat_tokens']} flat tokens", flush=True)  # fmt: skip
             results.append(r)
+            if a.out:  # after every run: a later run that fails or is stopped keeps the earlier ones
+                with open(a.out, "w") as f:
+                    json.dump(results, f, indent=1)
     print(table(results))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
