@@ -146,7 +146,13 @@ class ObjectiveConfig:
             if self.advantage_params:
                 raise ValueError("objective.advantage_params: set objective.advantage to use them")
         else:
-            one_of("objective.advantage", self.advantage, [a.value for a in AdvantageEstimator])
+            if self.advantage == AdvantageEstimator.GAE.value:
+                raise ValueError(
+                    "objective.advantage: gae needs a critic's values at every token, and harts train "
+                    "runs no critic; estimate GAE in Python (harts.forward_values, then "
+                    "harts.estimate_advantages(rows, 'gae', ...) and harts.value_step for the critic)"
+                )
+            one_of("objective.advantage", self.advantage, [a.value for a in _ESTIMATOR_FUNCTIONS])
             fn = _ESTIMATOR_FUNCTIONS[AdvantageEstimator(self.advantage)]
             allowed = [p for p in inspect.signature(fn).parameters if p not in _ESTIMATOR_INPUTS]
             for name, value in self.advantage_params.items():
