@@ -104,7 +104,7 @@ def test_lora_resume_after_sigkill_is_bit_identical(tmp_path, capsys):
                           objective={"kind": "ppo", "advantage": "grpo"}, optimizer={"lr": 1e-2},
                           schedule={"kind": "cosine", "warmup_steps": 2},
                           checkpoint={"every": 1, "keep_last": 2},
-                          lora={**LORA, "target_modules": ["q_proj", "v_proj", "gate_proj"]})  # fmt: skip
+                          lora={**LORA, "target_modules": ["q_proj", "v_proj", "o_proj"]})  # fmt: skip
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     kill_after(config, killed, "step-000002")
     done = [c.step for c in list_checkpoints(killed / "checkpoints")]
