@@ -54,7 +54,7 @@ def test_unknown_top_level_key_and_section(tmp_path):
         ({}, {"data": {"rollouts_per_step": 0}}, "data.rollouts_per_step: expected a positive integer"),
         ({}, {"optimizer": {"kind": "sgd"}}, "optimizer.kind: expected one of adamw, muon; got 'sgd'"),
         ({}, {"objective": {"kind": "dpo"}}, "objective.kind: expected one of ppo, gspo, sft; got 'dpo'"),
-        ({}, {"objective": {"advantage": "vtrace"}}, "objective.advantage: expected one of grpo, dr_grpo, rloo"),
+        ({}, {"objective": {"advantage": "vtrace"}}, "objective.advantage: expected one of grpo, dr_grpo"),
         ({}, {"objective": {"advantage": "gae"}}, "objective.advantage: gae needs a critic's values"),
         ({}, {"objective": {"advantage": "grpo", "advantage_params": {"epsilon": 1}}},
          "objective.advantage_params: grpo takes no parameter 'epsilon'; valid: eps"),
