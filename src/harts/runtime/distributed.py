@@ -13,7 +13,8 @@ forward of each sharded module. :func:`data_parallel_step` does that work for on
   head) for the whole step, each decoder layer's unit around that layer's forward and again
   for its backward, right after which its gradient is summed over the ranks and this rank's
   shard added to the sharded parameter's ``.grad`` (a DTensor, as FSDP2 leaves it). A rank
-  holds its shards, the outer units and one layer unit at a time. With a
+  holds its shards, the outer units and two layer units at a time (the running one and the
+  next, whose gather overlaps its compute; one with ``RunConfig(fsdp_overlap=False)``). With a
   ``MixedPrecisionPolicy``, the step computes in its ``param_dtype`` (the unsharded
   parameters') and gradients are summed in the sharded parameters' dtype.
 

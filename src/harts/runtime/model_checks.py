@@ -46,7 +46,7 @@ def sharded_step(model: nn.Module) -> Iterator[None]:
 
 def _distributed_wrapper(module: nn.Module) -> str | None:
     """The data-parallel wrapper harts cannot run here; an FSDP2 model that a data-parallel step
-    is running (its units gathered one at a time, :mod:`harts.runtime.sharded`) is runnable for
+    is running (its units gathered layer by layer, :mod:`harts.runtime.sharded`) is runnable for
     the step's duration."""
     for cls in type(module).__mro__:
         if cls.__name__ in _DDP_NAMES:

@@ -1,4 +1,4 @@
-"""FSDP2 units gathered one at a time inside harts' step, as FSDP2 itself gathers them.
+"""FSDP2 units gathered layer by layer inside harts' step, as FSDP2 itself gathers them.
 
 harts runs a model's parts itself, so FSDP2's forward hooks never fire. Under
 :class:`ShardedStep` the step does their work, unit by unit:
@@ -118,7 +118,7 @@ class _Lockstep:
 
 
 class ShardedStep:
-    """One step of an FSDP2 model with its units gathered one at a time (module docstring)."""
+    """One step of an FSDP2 model with its units gathered layer by layer (module docstring)."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None,
                  overlap: bool = True):  # fmt: skip

@@ -516,7 +516,7 @@ def forest_backward(
     knobs (:class:`~harts.runtime.config.RunConfig`).
     ``temperature`` T: rows' log-probs and entropies are those of ``softmax(logits / T)``, the
     distribution a sampler at T drew from. ``sharded``: the FSDP2 step of
-    :func:`harts.runtime.distributed.data_parallel_step` (units gathered one at a time; the
+    :func:`harts.runtime.distributed.data_parallel_step` (units gathered layer by layer; the
     model is that step's). ``readout``: what the rows read from their predictor's final hidden
     state (:mod:`harts.runtime.readout`; default: the log-prob of the target and the entropy
     under ``model.lm_head``; :class:`~harts.runtime.readout.ScalarReadout` gives a critic's
