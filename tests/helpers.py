@@ -59,9 +59,10 @@ def _bf16_attention_refusal() -> str | None:
     return None
 
 
+_BF16_REFUSAL = _bf16_attention_refusal()
 needs_bf16_attention = pytest.mark.skipif(
-    _bf16_attention_refusal() is not None,
-    reason=f"torch's CPU bf16 attention does not run in this process: {_bf16_attention_refusal()}",
+    _BF16_REFUSAL is not None,
+    reason=f"torch's CPU bf16 attention does not run in this process: {_BF16_REFUSAL}",
 )
 
 
