@@ -5,11 +5,18 @@ jagged nested ``input_ids``, the temperature and entropy flags) gives verl's pre
 log-probs and entropies (fp32, within 1e-5 of the stock forward), and the gradients of a loss of
 them match the stock per-sequence forward's.
 
+The critic's side likewise: ``harts.integrations.verl.value_output`` gives verl's token-indexed
+values (every position: the head at the state after that token) of a tiny
+``*ForTokenClassification`` with ``num_labels=1``, within 1e-5 of the stock forward of each
+sequence alone, and the gradients of a loss of them match.
+
 Where verl is installed (``make test-verl``, ``.venv-verl``): verl's own ``ppo_loss`` (its
 registered vanilla policy loss, ``agg_loss`` with the standard modes, the entropy term) run on
-harts' model output and on the stock one give the same loss and gradients; and
-``register_engine`` makes the harts engine verl's actor engine for the fsdp/fsdp2 strategies
-(and ``unregister_engine`` restores verl's).
+harts' model output and on the stock one give the same loss and gradients, and so does verl's
+own ``value_loss`` (clipped, each aggregation) on harts' values; ``register_engine`` makes the
+harts engine verl's actor engine for the fsdp/fsdp2 strategies, ``register_critic_engine`` the
+critic's (``value_model``), and ``unregister_engine`` restores verl's. The engines against verl's
+own, sharded over 2 processes: ``tests/test_integrations_verl_sharded.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +24,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harts.integrations.verl import model_output, register_engine, unregister_engine
+from harts.integrations.verl import (
+    model_output,
+    register_critic_engine,
+    register_engine,
+    unregister_engine,
+    value_output,
+)
+from harts.runtime.config import RunConfig
 from harts.testing import tiny_model
+from tests.critic_models import critic as tiny_critic
 from tests.helpers import prompt_response_batch
 from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads
 
@@ -106,6 +121,55 @@ def test_what_harts_cannot_honour_is_refused(model):
         model_output(model, {"input_ids": bad})
 
 
+# ---- the critic's values ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def critic():
+    return tiny_critic("qwen3")
+
+
+def stock_values(critic, sequences) -> torch.Tensor:
+    """verl's critic output, one stock forward per sequence: the head at every position, packed."""
+    return torch.cat([critic(input_ids=torch.tensor([s])).logits[0, :, 0] for s in sequences])
+
+
+def test_value_output_is_verls_layout_with_stock_values(critic):
+    ids = jagged(SEQUENCES)
+    out = value_output(critic, {"input_ids": ids, "temperature": TEMPERATURE, "calculate_entropy": True})
+    assert set(out) == {"values"} and out["values"].offsets().tolist() == ids.offsets().tolist()
+    with torch.no_grad():
+        ref = stock_values(critic, SEQUENCES)
+    assert (out["values"].values() - ref).abs().max() <= 1e-5
+    with torch.no_grad():  # under a budget (the critic's compute_values), part by part
+        cut = value_output(critic, {"input_ids": ids}, run=RunConfig(budget_tokens=8))
+    assert (cut["values"].values() - ref).abs().max() <= 1e-5
+
+
+def test_gradients_of_a_loss_of_the_values_match_stock(critic):
+    ids = jagged(SEQUENCES)
+    weight = torch.randn(ids.values().shape, generator=torch.Generator().manual_seed(0))
+    critic.zero_grad(set_to_none=True)
+    (value_output(critic, {"input_ids": ids})["values"].values() ** 2 * weight).sum().backward()
+    got = param_grads(critic)
+    critic.zero_grad(set_to_none=True)
+    (stock_values(critic, SEQUENCES) ** 2 * weight).sum().backward()
+    errors = grad_relative_errors(got, param_grads(critic))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+def test_what_the_critic_cannot_honour_is_refused(critic, model):
+    ids = jagged(SEQUENCES)
+    with pytest.raises(ValueError, match="the harts critic engine needs a model with a linear score head"):
+        value_output(model, {"input_ids": ids})
+    with pytest.raises(ValueError, match="position_ids at packed index 0 is 1, not 0"):
+        value_output(
+            critic,
+            {"input_ids": ids, "position_ids": jagged([list(range(1, len(s) + 1)) for s in SEQUENCES])},
+        )
+    with pytest.raises(ValueError, match="value_output with a token budget runs without autograd"):
+        value_output(critic, {"input_ids": ids}, run=RunConfig(budget_tokens=8))
+
+
 # ---- with verl itself --------------------------------------------------------------------------------
 def _verl_batch(agg):
     """A micro-batch as verl's actor hands ``ppo_loss`` one: its left-right padded batch (prompts
@@ -182,3 +246,72 @@ def test_engine_is_registered_in_verls_registry():
         unregister_engine()
     assert EngineRegistry._engines["language_model"]["fsdp2"]["cuda"] is stock
     assert "cpu" not in EngineRegistry._engines["language_model"]["fsdp2"]
+
+
+def _verl_critic_batch(critic, agg):
+    """A critic micro-batch as verl's ``update_critic`` hands ``value_loss`` one: the actor's batch
+    with the rollout-time ``values`` and the ``returns`` (response-aligned [B, R]), both the
+    critic's own values plus noise (std twice ``cliprange_value`` and 0.3), so that the clipped
+    term is the larger at some positions and not at others (both branches of verl's loss)."""
+    from verl.workers.config import CriticConfig
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    data, _ = _verl_batch(agg)
+    with torch.no_grad():
+        current = torch.nested.nested_tensor_from_jagged(
+            stock_values(critic, SEQUENCES), data["input_ids"].offsets()
+        )
+        current = no_padding_2_padding(current, data)
+    gen = torch.Generator().manual_seed(2)
+    data["values"] = current + torch.randn(current.shape, generator=gen) * 0.4
+    data["returns"] = current + torch.randn(current.shape, generator=gen) * 0.3
+    config = CriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=1, cliprange_value=0.2,
+                          loss_agg_mode=agg, loss_scale_factor=16)  # fmt: skip
+    return data, config
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_verls_own_value_loss_on_harts_values_matches_stock(critic, agg):
+    pytest.importorskip("verl", reason="verl runs in .venv-verl (make test-verl)")
+    from verl.workers.utils.losses import value_loss
+
+    data, config = _verl_critic_batch(critic, agg)
+    critic.zero_grad(set_to_none=True)
+    loss, metrics = value_loss(config, value_output(critic, data), data)
+    loss.backward()
+    got = param_grads(critic)
+    critic.zero_grad(set_to_none=True)
+    stock = torch.nested.nested_tensor_from_jagged(
+        stock_values(critic, SEQUENCES), data["input_ids"].offsets()
+    )
+    ref, ref_metrics = value_loss(config, {"values": stock}, data)
+    ref.backward()
+    assert 0 < metrics["critic/vf_clipfrac"] < 1  # both branches of the clipped loss
+    assert metrics["critic/vf_clipfrac"] == ref_metrics["critic/vf_clipfrac"]
+    assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (float(loss), float(ref))
+    errors = grad_relative_errors(got, param_grads(critic))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+def test_critic_engine_is_registered_in_verls_registry():
+    pytest.importorskip("verl", reason="verl runs in .venv-verl (make test-verl)")
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    engine = register_critic_engine()
+    try:
+        assert register_critic_engine() is engine
+        assert issubclass(engine, FSDPEngineWithValueHead)
+        assert engine.forward_backward_batch is not FSDPEngineWithValueHead.forward_backward_batch
+        for backend in ("fsdp", "fsdp2"):
+            assert EngineRegistry._engines["value_model"][backend]["cuda"] is engine
+            assert EngineRegistry._engines["value_model"][backend]["cpu"] is engine
+        assert EngineRegistry._engines["language_model"]["fsdp2"]["cuda"] is FSDPEngineWithLMHead
+        actor = register_engine()
+        assert EngineRegistry._engines["language_model"]["fsdp2"]["cuda"] is actor
+    finally:
+        unregister_engine()
+    assert EngineRegistry._engines["value_model"]["fsdp2"]["cuda"] is FSDPEngineWithValueHead
+    assert EngineRegistry._engines["language_model"]["fsdp2"]["cuda"] is FSDPEngineWithLMHead
+    assert "cpu" not in EngineRegistry._engines["value_model"]["fsdp2"]

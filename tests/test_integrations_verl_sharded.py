@@ -1,19 +1,24 @@
-"""verl's FSDP2 actor with its parameters sharded over 2 gloo processes: ``HartsFSDPEngine``
-against verl's own ``FSDPEngineWithLMHead`` on the same micro-batches (``tests/verl_worker.py``).
+"""verl's FSDP2 actor and critic with their parameters sharded over 2 gloo processes:
+``HartsFSDPEngine`` against verl's own ``FSDPEngineWithLMHead``, and ``HartsFSDPCriticEngine``
+against its ``FSDPEngineWithValueHead``, on the same micro-batches (``tests/verl_worker.py``).
 
 Both engines are built by verl from the same checkpoint and configuration (``strategy: fsdp2``,
 ``reshard_after_forward`` as verl sets it, fp32); each rank trains on its own batch (two prompts
 of three responses, lengths differing by rank), through verl's ``forward_backward_batch`` with
 its ``ppo_loss``: token-mean with verl's dynamic micro-batches, seq-mean-token-mean with fixed
 ones, and seq-mean-token-sum-norm with a harts token budget that cuts every micro-batch's tree
-(verl's loss, not separable by rows, then takes harts' three passes).
+(verl's loss, not separable by rows, then takes harts' three passes). The critic runs verl's
+``value_loss`` (clipped at ``cliprange_value`` around the batch's rollout-time values, both
+branches taken) the same ways: token-mean with dynamic micro-batches, seq-mean-token-sum-norm
+with fixed ones under the budget that cuts every tree.
 
 Tolerances, in fp32 (unit roundoff u = 2^-24 ~ 6e-8):
 
 - log-probs and entropies: both are fp32 evaluations of the same function in different orders
   (verl's packed eager attention and projections, harts' forest). The project holds fp32 log-probs
   to 1e-5 absolute against the stock forward (``tests/test_integrations_verl.py``); at
-  |log p| <= ~10 that is ~17 u relative, room for the few roundings each reduction adds.
+  |log p| <= ~10 that is ~17 u relative, room for the few roundings each reduction adds. The
+  critic's values (|v| <= ~2 here, one linear head over the same hidden states) to the same bound.
 - gradients (``full_tensor`` of the sharded ``.grad``): 1e-5 relative, as the project's
   multi-rank tests hold 2 ranks against one process (``tests/test_distributed.py``): each side's
   gradient is the same sum of the two ranks' fp32 gradients, verl's averaged by FSDP2
@@ -66,10 +71,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     return torch.load(out, weights_only=False)
 
 
-def _variants() -> list[str]:
-    from tests.verl_worker import VARIANTS
+def _variants(role: str = "actor") -> list[str]:
+    from tests.verl_worker import CRITIC_VARIANTS, VARIANTS
 
-    return [name for name, *_ in VARIANTS]
+    return [name for name, *_ in (CRITIC_VARIANTS if role == "critic" else VARIANTS)]
 
 
 def _relative(want: torch.Tensor, got: torch.Tensor) -> float:
@@ -90,6 +95,9 @@ def test_both_engines_shard_the_parameters_as_verl_sets_them(ranks):
         assert rank["units"]["stock"] == ["", "model.embed_tokens", *layers, "lm_head"]
         assert rank["units"]["harts"] == ["", *layers]
         assert rank["reshard_after_forward"] is True and rank["sharded"]
+        # the critic's score head is in verl's model unit already
+        assert rank["critic_units"]["stock"] == ["", "model.embed_tokens", *layers]
+        assert rank["critic_units"]["harts"] == ["", *layers]
 
 
 @pytest.mark.multiprocess
@@ -110,9 +118,26 @@ def test_log_probs_match_verls_engine(ranks):
 
 
 @pytest.mark.multiprocess
-def test_gradients_losses_and_metrics_match_verls_engine(ranks):
+def test_critic_values_match_verls_engine(ranks):
+    """Training forward and forward-only (``infer_batch``, verl's ``compute_values``) values,
+    token-indexed as verl's critic engine returns them: every position, each sequence's last too."""
     for r, rank in enumerate(ranks):
-        for name in _variants():
+        for name in _variants("critic"):
+            stock, harts = rank[name]["stock"], rank[name]["harts"]
+            assert torch.equal(stock["offsets"], harts["offsets"]), (r, name)
+            for key in ("values", "infer_values"):
+                assert stock[key].shape == harts[key].shape == (int(stock["offsets"][-1]),), (r, name, key)
+                gap = float((stock[key] - harts[key]).abs().max())
+                assert gap <= LOGPROB_ATOL, (r, name, key, gap)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_gradients_losses_and_metrics_match_verls_engine(ranks, role):
+    """Every parameter's full gradient, each micro-batch's loss and metrics (the critic's include
+    its clip fraction, which must show both branches of the clipped loss taken)."""
+    for r, rank in enumerate(ranks):
+        for name in _variants(role):
             stock, harts = rank[name]["stock"], rank[name]["harts"]
             assert set(stock["grads"]) == set(harts["grads"]), (r, name)
             errors = {p: _relative(g, harts["grads"][p]) for p, g in stock["grads"].items()}
@@ -125,14 +150,20 @@ def test_gradients_losses_and_metrics_match_verls_engine(ranks):
                 got = harts["metrics"][metric]
                 assert len(values) == len(got) and all(map(_close, values, got)), (r, name, metric)
     # the two ranks trained on different batches: their losses differ, their gradients are one
-    first, second = (rank[_variants()[0]]["harts"] for rank in ranks)
+    first, second = (rank[_variants(role)[0]]["harts"] for rank in ranks)
     assert first["loss"] != second["loss"]
     assert all(torch.equal(g, second["grads"][p]) for p, g in first["grads"].items())
+    if role == "critic":
+        fractions = [
+            rank[n]["harts"]["metrics"]["critic/vf_clipfrac"] for rank in ranks for n in _variants(role)
+        ]
+        assert any(0 < f < 1 for run in fractions for f in run), fractions
 
 
 @pytest.mark.multiprocess
-def test_the_budget_cut_every_tree_and_the_optimizer_step_matches(ranks):
-    name = _variants()[-1]
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_the_budget_cut_every_tree_and_the_optimizer_step_matches(ranks, role):
+    name = _variants(role)[-1]
     for r, rank in enumerate(ranks):
         assert all(c > 0 for c in rank[name]["cuts"]), (r, rank[name]["cuts"])
         stock, harts = rank[name]["stock"], rank[name]["harts"]
@@ -149,6 +180,7 @@ def test_what_the_sharded_engine_cannot_run_exactly_is_refused(ranks):
         "ulysses": "ulysses_sequence_parallel_size=2: harts keeps each sequence on one rank",
         "hsdp": "fsdp_size=1 of 2 ranks (hybrid sharding",
         "fp16": "mixed_precision.param_dtype fp16",
+        "critic-fsdp1": "strategy 'fsdp': harts runs verl's FSDP2 engine",
     }
     for rank in ranks:
         for case, start in expected.items():

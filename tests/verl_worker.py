@@ -9,15 +9,21 @@ from the same checkpoint with the same configuration (parameters sharded over th
 forward-only pass (``infer_batch``, verl's ``compute_log_prob``) and one
 ``forward_backward_batch`` of verl's ``ppo_loss`` over this rank's batch (its own sequences,
 different on each rank), with the full gradients. After the last variant's gradients both
-engines take verl's optimizer step. Then the configurations the harts engine refuses are built,
+engines take verl's optimizer step. The critic goes the same way: verl's
+``FSDPEngineWithValueHead`` and ``HartsFSDPCriticEngine`` built from one ``*ForTokenClassification``
+checkpoint (``num_labels=1``), each :data:`CRITIC_VARIANTS` entry run on both (``infer_batch``,
+verl's ``compute_values``, then ``forward_backward_batch`` of verl's ``value_loss``), the last
+one followed by the optimizer step. Then the configurations the harts engines refuse are built,
 and their messages kept. Rank 0 writes every rank's results to ``OUT`` (``torch.save``, a list by rank).
 
 What verl needs to run on CPU processes, and nothing else: a platform plugin for the CPU
 (verl 0.9 registers CUDA, NPU and ROCm only; :class:`CPUPlatform` through verl's own
 ``set_platform``), eager attention (verl defaults to flash-attention), no ``torch.compile`` of
-the entropy, fp32 mixed precision (so both sides run fp32), no tokenizer, and ``trl`` hidden
+the entropy, fp32 mixed precision (so both sides run fp32), no tokenizer, ``trl`` hidden
 from verl's model patching, which imports a value-head class that trl >= 1 no longer has (the
-actor needs none).
+critic is a ``*ForTokenClassification`` and needs none), and verl's critic loader
+(``load_valuehead_model``) with eager attention: it asks transformers for flash-attention
+outright, not through the model config's override.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ sys.modules["trl"] = None  # see the module docstring: verl's monkey patch probe
 from tensordict import TensorDict  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
+from verl.utils import model as verl_model  # noqa: E402
 
 from harts.testing import tiny_model  # noqa: E402
+from tests.critic_models import critic as tiny_critic  # noqa: E402
 from tests.helpers import prompt_response_batch  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -47,6 +55,12 @@ VARIANTS = [
     # a budget cuts each micro-batch's forest: verl's loss takes harts' three passes
     ("seq-mean-token-sum-norm-budget", "seq-mean-token-sum-norm", False, 12),
 ]
+CRITIC_VARIANTS = [
+    ("critic-token-mean", "token-mean", True, None),
+    # a budget cuts each micro-batch's forest: verl's value loss takes harts' three passes
+    ("critic-seq-mean-token-sum-norm-budget", "seq-mean-token-sum-norm", False, 12),
+]
+CLIPRANGE_VALUE = 0.2
 
 
 class CPUPlatform(PlatformBase):
@@ -115,10 +129,13 @@ class CPUPlatform(PlatformBase):
         return None
 
 
-def batch(rank: int, dynamic: bool) -> TensorDict:
+def batch(rank: int, dynamic: bool, critic: bool = False) -> TensorDict:
     """This rank's mini-batch as verl's trainer hands the actor one: two prompts of three responses
     (lengths differ by rank), left/right padded, converted by verl's own ``left_right_2_no_padding``,
-    with the global batch size of both ranks."""
+    with the global batch size of both ranks. The critic's (``critic``) also has the rollout-time
+    ``values`` and the ``returns``, response-aligned [B, R]: the values spread so that some of
+    the new ones fall outside ``CLIPRANGE_VALUE`` of them and some inside (both branches of the
+    clipped loss)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -143,6 +160,9 @@ def batch(rank: int, dynamic: bool) -> TensorDict:
         },
         batch_size=[size],
     )  # fmt: skip
+    if critic:
+        data["values"] = torch.randn(size, width_r, generator=gen) * 0.3
+        data["returns"] = torch.randn(size, width_r, generator=gen)
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(
         data, temperature=TEMPERATURE, calculate_entropy=True, global_batch_size=2 * size,
@@ -152,25 +172,45 @@ def batch(rank: int, dynamic: bool) -> TensorDict:
     return data
 
 
-def model_config(model_dir: str):
+def model_config(model_dir: str, model_type: str = "language_model"):
     from verl.workers.config import HFModelConfig
 
     eager = {"attn_implementation": "eager"}
-    return HFModelConfig(path=model_dir, load_tokenizer=False, override_config=eager)
+    return HFModelConfig(path=model_dir, load_tokenizer=False, override_config=eager, model_type=model_type)
 
 
-def engines(model_dir: str):
+def load_value_model_eager(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's ``load_valuehead_model`` for a ``*ForTokenClassification`` checkpoint, with eager
+    attention in place of the flash-attention it asks for (module docstring)."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        local_path, dtype=torch_dtype, config=model_config, attn_implementation="eager",
+        trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+
+
+def engine_classes(model_type: str) -> tuple[type, type]:
+    """verl's own engine for ``model_type`` and the harts one."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    from harts.integrations.verl import register_critic_engine, register_engine, unregister_engine
+
+    if model_type == "value_model":
+        pair = FSDPEngineWithValueHead, register_critic_engine()
+    else:
+        pair = FSDPEngineWithLMHead, register_engine()
+    unregister_engine()
+    return pair
+
+
+def engines(model_dir: str, model_type: str = "language_model"):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from harts.integrations.verl import register_engine, unregister_engine
-
-    harts_engine = register_engine()
-    unregister_engine()
     built = []
-    for cls in (FSDPEngineWithLMHead, harts_engine):
-        model = model_config(model_dir)
+    for cls in engine_classes(model_type):
+        model = model_config(model_dir, model_type)
         fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
         engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=fp32)
         engine = cls(model, engine_config, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
@@ -198,27 +238,28 @@ def metric_values(metrics: dict) -> dict[str, list[float]]:
     return out
 
 
-def run(engine, loss_fn, dynamic: bool, budget, rank: int, step: bool) -> dict:
+def run(engine, loss_fn, dynamic: bool, budget, rank: int, step: bool, critic: bool = False) -> dict:
+    """One variant on one engine: its forward-only pass, then one ``forward_backward_batch`` of
+    ``loss_fn`` (and verl's optimizer step with ``step``); the model output's fields (the actor's
+    log-probs and entropies, the critic's values), flat, as ``KEY`` and ``infer_KEY``."""
     import harts
 
     engine.harts_run = harts.RunConfig(budget_tokens=budget) if budget is not None else None
     with engine.eval_mode():  # first: the step below changes the parameters
-        inferred = engine.infer_batch(batch(rank, dynamic), loss_function=None)
+        inferred = engine.infer_batch(batch(rank, dynamic, critic), loss_function=None)
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        out = engine.forward_backward_batch(batch(rank, dynamic), loss_fn, forward_only=False)
+        out = engine.forward_backward_batch(batch(rank, dynamic, critic), loss_fn, forward_only=False)
         result = {"grads": full_grads(engine.module)}
         if step:  # verl's clipping and AdamW on these gradients
             result["grad_norm"] = engine.optimizer_step()
             result["params"] = full_params(engine.module)
-    return {
-        **result, "loss": out["loss"], "metrics": metric_values(out["metrics"]),
-        "log_probs": out["model_output"]["log_probs"].values().detach().clone(),
-        "entropy": out["model_output"]["entropy"].values().detach().clone(),
-        "offsets": out["model_output"]["log_probs"].offsets().clone(),
-        "infer_log_probs": inferred["model_output"]["log_probs"].values().clone(),
-        "infer_entropy": inferred["model_output"]["entropy"].values().clone(),
-    }  # fmt: skip
+    keys = ("values",) if critic else ("log_probs", "entropy")
+    for key in keys:
+        result[key] = out["model_output"][key].values().detach().clone()
+        result[f"infer_{key}"] = inferred["model_output"][key].values().clone()
+    offsets = out["model_output"][keys[0]].offsets().clone()
+    return {**result, "loss": out["loss"], "metrics": metric_values(out["metrics"]), "offsets": offsets}
 
 
 def cuts(rank: int, budget: int) -> list[int]:
@@ -237,21 +278,23 @@ def refusals(model_dir: str) -> dict[str, str]:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
-    from harts.integrations.verl import register_engine, unregister_engine
-
-    engine_class = register_engine()
-    unregister_engine()
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    cases = {
-        "fsdp1": dict(strategy="fsdp", mixed_precision=fp32),
-        "ulysses": dict(strategy="fsdp2", mixed_precision=fp32, ulysses_sequence_parallel_size=2),
-        "hsdp": dict(strategy="fsdp2", mixed_precision=fp32, fsdp_size=1),
-        "fp16": dict(strategy="fsdp2", mixed_precision={**fp32, "param_dtype": "fp16"}),
+    cases = {  # name: (model type, engine config)
+        "fsdp1": ("language_model", dict(strategy="fsdp", mixed_precision=fp32)),
+        "ulysses": (
+            "language_model",
+            dict(strategy="fsdp2", mixed_precision=fp32, ulysses_sequence_parallel_size=2),
+        ),
+        "hsdp": ("language_model", dict(strategy="fsdp2", mixed_precision=fp32, fsdp_size=1)),
+        "fp16": ("language_model", dict(strategy="fsdp2", mixed_precision={**fp32, "param_dtype": "fp16"})),
+        "critic-fsdp1": ("value_model", dict(strategy="fsdp", mixed_precision=fp32)),
     }
     messages = {}
-    for name, fields in cases.items():
-        model = model_config(model_dir)
+    for name, (model_type, fields) in cases.items():
+        path = critic_dir(model_dir) if model_type == "value_model" else model_dir
+        model = model_config(path, model_type)
         config = FSDPEngineConfig(use_torch_compile=False, **fields)
+        engine_class = engine_classes(model_type)[1]
         try:
             engine_class(model, config, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig()).initialize()
         except ValueError as err:
@@ -259,6 +302,10 @@ def refusals(model_dir: str) -> dict[str, str]:
         else:
             messages[name] = "not refused"
     return messages
+
+
+def critic_dir(model_dir: str) -> str:
+    return f"{model_dir}-critic"
 
 
 def units(module) -> list[str]:
@@ -272,15 +319,19 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     set_platform(CPUPlatform())
+    verl_model.load_valuehead_model = load_value_model_eager
     rank = dist.get_rank()
     try:
         if rank == 0:
             model = tiny_model("qwen3", seed=3)
             model.config.architectures = ["Qwen3ForCausalLM"]
             model.save_pretrained(model_dir)
+            value_model = tiny_critic("qwen3", seed=4)  # a score head with a bias, as verl's critic has
+            value_model.config.architectures = ["Qwen3ForTokenClassification"]
+            value_model.save_pretrained(critic_dir(model_dir))
         dist.barrier()
-        from verl.workers.config import ActorConfig
-        from verl.workers.utils.losses import ppo_loss
+        from verl.workers.config import ActorConfig, CriticConfig
+        from verl.workers.utils.losses import ppo_loss, value_loss
 
         stock, harts_engine = engines(model_dir)
         matrices = [p for p in harts_engine.module.parameters() if p.dim() == 2]
@@ -297,6 +348,19 @@ def main() -> None:
             loss_fn = functools.partial(ppo_loss, config)
             last = i == len(VARIANTS) - 1
             mine[name] = {label: run(engine, loss_fn, dynamic, budget, rank, step=last)
+                          for label, engine in (("stock", stock), ("harts", harts_engine))}  # fmt: skip
+            if budget is not None:
+                mine[name]["cuts"] = cuts(rank, budget)
+        del stock, harts_engine
+        stock, harts_engine = engines(critic_dir(model_dir), "value_model")
+        mine["critic_units"] = {"stock": units(stock.module), "harts": units(harts_engine.module)}
+        for i, (name, agg, dynamic, budget) in enumerate(CRITIC_VARIANTS):
+            config = CriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=3, rollout_n=3,
+                                  loss_agg_mode=agg, cliprange_value=CLIPRANGE_VALUE, use_dynamic_bsz=dynamic,
+                                  ppo_mini_batch_size=4, loss_scale_factor=16)  # fmt: skip
+            loss_fn = functools.partial(value_loss, config)
+            last = i == len(CRITIC_VARIANTS) - 1
+            mine[name] = {label: run(engine, loss_fn, dynamic, budget, rank, step=last, critic=True)
                           for label, engine in (("stock", stock), ("harts", harts_engine))}  # fmt: skip
             if budget is not None:
                 mine[name]["cuts"] = cuts(rank, budget)
