@@ -4,8 +4,9 @@
   log-probs, entropies and the loss out in the same layout).
 - :mod:`harts.integrations.trl`: ``GRPOTrainer``, TRL's trainer with its log-probs from harts
   (needs ``pip install harts[trl]``; imported on demand).
-- :mod:`harts.integrations.verl`: verl's engine contract (model output in verl's layout) and an
-  engine registered under verl's ``EngineRegistry`` (imported on demand; the engine needs verl).
+- :mod:`harts.integrations.verl`: verl's engine contract (the actor's model output and the
+  critic's values in verl's layout) and engines for both registered under verl's
+  ``EngineRegistry`` (imported on demand; the engines need verl).
 
 Nothing here is needed by ``harts train``; the stacks' own packages are imported only by their
 submodule.
