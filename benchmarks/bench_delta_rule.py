@@ -16,8 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from harts.ops.delta_rule import chunked_gated_delta_rule
-from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
+from harts.ops.delta_rule import chunked_gated_delta_rule, naive_recurrent_gated_delta_rule
 
 NAIVE_BUDGET_S = 30.0
 

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 import harts
 from harts.bench.cases import BenchConfig, make_trajectories
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.ops.tree_recurrence import tree_gated_delta_rule
 from harts.plan.chunk_tree import chunk_tree_plan
+from harts.plan.linear import LinearPlan, chain_plan, plan_linear
 from harts.plan.linear_cost import LinearCostModel, PlanMode
-from harts.plan.waves import LinearPlan, chain_plan, plan_linear
 
 H, K, V = 4, 32, 32
 CHUNKS = (8, 16, 32, 64)

@@ -15,7 +15,7 @@ from harts.bench.memory import measure_peak, tensor_peak_bytes
 from harts.bench.report import markdown, write_outputs
 from harts.bench.run import run, run_case
 from harts.data.synthetic import scaled
-from harts.plan.waves import plan_linear
+from harts.plan.linear import plan_linear
 from harts.testing import tiny_model
 
 ROW_FIELDS = {

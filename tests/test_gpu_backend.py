@@ -46,6 +46,14 @@ def test_fla_backend_without_the_extra_is_refused_before_any_compute():
     assert current_backend().name == "torch"
 
 
+def test_fla_backend_names_its_kernels_by_recurrence():
+    """The backend's kernels are keyed by the contract's recurrence names (readable without the extra)."""
+    from harts.ops.fla_backend import RECURRENCES, fla_delta_rule
+    from harts.ops.recurrence import DELTA_RULE
+
+    assert RECURRENCES == {DELTA_RULE.name: fla_delta_rule}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_next", "bailing_hybrid"])

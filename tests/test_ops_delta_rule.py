@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harts.ops.delta_rule import chunked_gated_delta_rule
-from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
+from harts.ops.delta_rule import chunked_gated_delta_rule, naive_recurrent_gated_delta_rule
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -122,15 +121,17 @@ def test_strong_decay(gate):
     assert_close(chunk, naive)
 
 
-def test_gdn_per_head_gate():
-    """GDN: one gate per head, expanded over K by the caller; gradient flows back to the per-head gate."""
+@pytest.mark.parametrize("form", ["expanded", "head", "head-1"])
+def test_gdn_per_head_gate(form):
+    """GDN: one gate per head, expanded over K by the caller or passed per head ([B, T, H] or
+    [B, T, H, 1]) for the op to expand; either way the gradient flows back to the per-head gate."""
     B, T, H, K, V = 2, 90, 3, 16, 8
     xs = make_inputs(B, T, H, K, V, seed=7)
     xs[3] = F.logsigmoid(torch.randn(B, T, H, generator=torch.Generator().manual_seed(8)) + 2.0)
     out = {}
     for tag, dtype in (("chunk", torch.float32), ("naive", torch.float64)):
         q, k, v, gh, beta, s0 = leaves(xs, dtype)
-        g = gh[..., None].expand(B, T, H, K)
+        g = {"expanded": gh[..., None].expand(B, T, H, K), "head": gh, "head-1": gh[..., None]}[form]
         fn = chunked_gated_delta_rule if tag == "chunk" else naive_recurrent_gated_delta_rule
         o, S = fn(q, k, v, g, beta, s0)
         wo, ws = functional_weights(o.shape, S.shape)

@@ -2,10 +2,10 @@
 and the tree form of any recurrence against the reference on every trajectory alone.
 
 Chunked op: outputs, final states and states at inner offsets, for varlen right-padded batches with
-initial states, per-channel and per-head (expanded) decays, strong decays (no overflow), several
-chunk sizes; gradients of every input and of the initial state under a random linear functional
-of outputs and states. Tolerances as the delta-rule op tests: max abs 1e-5 on values, relative
-1e-5 on gradients (fp32 against fp64).
+initial states, per-channel and per-head decays (expanded, or per head as is), strong decays (no
+overflow), several chunk sizes; gradients of every input and of the initial state under a random
+linear functional of outputs and states. Tolerances as the delta-rule op tests: max abs 1e-5 on
+values, relative 1e-5 on gradients (fp32 against fp64).
 """
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ import torch
 import torch.nn.functional as F
 
 import harts
+from harts.ops.backends import Backend, register_backend, use_backend
+from harts.ops.chunked import gate_per_key, head_gate
 from harts.ops.gated_linear_attention import (
     chunked_gated_linear_attention,
     naive_recurrent_gated_linear_attention,
 )
 from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
-from harts.ops.tree_delta_rule import tree_gated_delta_rule, tree_recurrence
+from harts.ops.tree_attention import tree_attention
+from harts.ops.tree_recurrence import tree_gated_delta_rule, tree_recurrence
 from harts.plan.chunk_tree import chunk_tree_plan
-from harts.plan.waves import plan_linear
+from harts.plan.linear import plan_linear
 from tests.helpers import PLAN_SHAPES, path_tokens, root_of
 
 ATOL = 1e-5
@@ -35,7 +38,8 @@ def rel(a, b):
 
 def gla_inputs(B, T, H, K, V, gate, seed=0):
     """q, k unit-norm (lightning attention's silu(q) has no norm: scale 0.5 keeps the state O(1)),
-    v ~ N(0, 1), g per channel ('channel'), one per head expanded over K ('head'), or -U(0, 20)."""
+    v ~ N(0, 1), g per channel ('channel'), one per head expanded over K ('head') or passed per head
+    [B, T, H] for the op to expand ('per-head'), or -U(0, 20)."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -44,6 +48,8 @@ def gla_inputs(B, T, H, K, V, gate, seed=0):
         g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2.0)
     elif gate == "head":
         g = F.logsigmoid(torch.randn(B, T, H, 1, generator=gen) + 3.0).expand(B, T, H, K).contiguous()
+    elif gate == "per-head":
+        g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3.0)
     else:
         g = -torch.rand(B, T, H, K, generator=gen) * 20.0
     s0 = torch.randn(B, H, K, V, generator=gen)
@@ -53,6 +59,7 @@ def gla_inputs(B, T, H, K, V, gate, seed=0):
 CASES = [  # (B, T, H, K, V, chunk, gate)
     (2, 37, 2, 8, 5, 16, "channel"),
     (3, 70, 2, 16, 8, 64, "head"),
+    (2, 45, 2, 8, 4, 16, "per-head"),
     (2, 50, 1, 8, 1, 8, "strong20"),  # Mamba's selective-scan shape: V = 1
 ]
 
@@ -173,3 +180,56 @@ def test_contract_refuses_bad_inputs():
         tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[:, :1]), plan)
     with pytest.raises(ValueError, match="the plan covers"):
         tree_recurrence(GATED_LINEAR_ATTENTION, (q[:3], k[:3], v[:3], g[:3]), plan)
+
+
+def test_contract_takes_a_per_head_gate_and_refuses_other_shapes():
+    forest = harts.build_forest(PLAN_SHAPES["roots-3"])
+    plan = plan_linear(forest, "depth")
+    q, k, v, g, beta = _inputs_for(DELTA_RULE, forest.num_tokens, 2, 8, 4)
+    head = g[..., 0].detach().requires_grad_()
+    expanded, _ = tree_recurrence(DELTA_RULE, (q, k, v, head[..., None].expand_as(k), beta), plan)
+    for gate in (head, head[..., None]):
+        out, _ = tree_recurrence(DELTA_RULE, (q, k, v, gate, beta), plan)
+        assert torch.equal(out, expanded)
+    with pytest.raises(ValueError, match="one per head"):
+        tree_recurrence(DELTA_RULE, (q, k, v, g[..., :3], beta), plan)
+
+
+def test_gate_shapes():
+    """A gate [..., H] or [..., H, 1] is per head; [..., H, K] is per key channel however equal its
+    channels (their gradients are K free values)."""
+    k = torch.randn(6, 2, 4)
+    head = -torch.rand(6, 2)
+    assert torch.equal(head_gate(head, k), head) and torch.equal(head_gate(head[..., None], k), head)
+    assert head_gate(head[..., None].expand(6, 2, 4), k) is None
+    assert gate_per_key(head, k).shape == k.shape and torch.equal(gate_per_key(head, k)[..., 3], head)
+    per_key = -torch.rand(6, 2, 4)
+    assert gate_per_key(per_key, k) is per_key
+
+
+def _recording_backend(name: str, recurrence, calls: list):
+    """A backend that runs ``recurrence``'s plain op and records the gate each call hands it."""
+    def kernel(*args, **kwargs):
+        calls.append(tuple(args[recurrence.inputs.index("g")].shape))
+        return recurrence.chunked(*args, **kwargs)
+
+    register_backend(name, lambda: Backend(name, {recurrence.name: kernel}, tree_attention))
+
+
+def test_a_backend_supplies_a_kernel_for_any_recurrence_by_name():
+    """A backend that names gated linear attention runs every call of it, and leaves the delta rule
+    (which it does not name) on its plain op; a per-head gate reaches the kernel unexpanded."""
+    forest = harts.build_forest(PLAN_SHAPES["short-parents-K4"])
+    plan = plan_linear(forest, "chain")
+    calls: list = []
+    _recording_backend("gla-recording", GATED_LINEAR_ATTENTION, calls)
+    q, k, v, g = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, 2, 8, 4)
+    dr_inputs = _inputs_for(DELTA_RULE, forest.num_tokens, 2, 8, 4)
+    want, _ = tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[..., 0]), plan)
+    dr_want, _ = tree_recurrence(DELTA_RULE, dr_inputs, plan)
+    with use_backend("gla-recording"):
+        got, _ = tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[..., 0]), plan)
+        assert len(calls) == plan.num_calls and all(len(shape) == 3 for shape in calls)  # [W, T, H]
+        dr_got, _ = tree_recurrence(DELTA_RULE, dr_inputs, plan)
+    assert len(calls) == plan.num_calls
+    assert torch.equal(got, want) and torch.equal(dr_got, dr_want)

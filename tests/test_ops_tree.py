@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import harts
-from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
+from harts.ops.delta_rule import naive_recurrent_gated_delta_rule
 from harts.ops.logprobs import plain_token_logprobs, token_logprobs
 from harts.ops.short_conv import tree_short_conv
 from harts.ops.tree_attention import tree_attention
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.ops.tree_recurrence import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
 from tests.helpers import OP_FORESTS
 

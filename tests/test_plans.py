@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 
 import harts
-from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.ops.delta_rule import naive_recurrent_gated_delta_rule
+from harts.ops.tree_recurrence import tree_gated_delta_rule
 from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan, chunk_tree_shape
-from harts.plan.waves import LinearCostModel, LinearPlan, PlanMode, chain_plan, min_calls, plan_linear
+from harts.plan.linear import LinearPlan, chain_plan, min_calls, plan_linear
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 from tests.helpers import PLAN_SHAPES, forests, path_tokens, root_of
 
 OUT_ATOL = 1e-5  # fp32 chunked vs fp64 recurrence, max |o diff|
@@ -231,6 +232,7 @@ def test_a_call_backend_keeps_auto_to_plans_of_calls():
     plain-PyTorch chunk tree; under the default backend it may."""
     from harts.ops.backends import Backend, register_backend, use_backend
     from harts.ops.delta_rule import chunked_gated_delta_rule
+    from harts.ops.recurrence import DELTA_RULE
     from harts.ops.tree_attention import tree_attention
     from harts.runtime.config import RunConfig
     from harts.runtime.executor import layout_for
@@ -238,7 +240,8 @@ def test_a_call_backend_keeps_auto_to_plans_of_calls():
     forest = harts.build_forest(PLAN_SHAPES["binary-D3"])
     run = RunConfig(cost_model=LinearCostModel(call_cost=1e12))
     assert isinstance(layout_for(forest, "cpu", run).linear_plan, ChunkTreePlan)
-    register_backend("calls-only", lambda: Backend("calls-only", chunked_gated_delta_rule, tree_attention))
+    calls_only = Backend("calls-only", {DELTA_RULE.name: chunked_gated_delta_rule}, tree_attention)
+    register_backend("calls-only", lambda: calls_only)
     with use_backend("calls-only"):
         assert isinstance(layout_for(forest, "cpu", run).linear_plan, LinearPlan)
 

@@ -2,7 +2,7 @@
 
 Each case runs fla's triton kernels (under the interpreter on a CPU, conftest.py) through
 :func:`harts.ops.fla_backend.fla_delta_rule`, and compares with a per-segment loop of the fp64
-per-token recurrence (``harts.ops.delta_rule_naive``), each segment from its own initial state, or
+per-token recurrence (``harts.ops.delta_rule.naive``), each segment from its own initial state, or
 with the plain chunked kernel (``harts.ops.delta_rule``) where inner states are asked for. A
 negative control shows a swap of two segments' initial states would be caught. Shapes are tiny:
 under the interpreter chunk_kda's forward takes about 9 s a call.
@@ -16,10 +16,9 @@ import torch.nn.functional as F
 
 import harts
 from harts.ops.backends import use_backend
-from harts.ops.delta_rule import chunked_gated_delta_rule
-from harts.ops.delta_rule_naive import naive_recurrent_gated_delta_rule
-from harts.ops.fla_backend import fla_delta_rule, per_head_gate
-from harts.ops.tree_delta_rule import tree_gated_delta_rule
+from harts.ops.delta_rule import chunked_gated_delta_rule, naive_recurrent_gated_delta_rule
+from harts.ops.fla_backend import fla_delta_rule
+from harts.ops.tree_recurrence import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
 
 OUT_ATOL = 1e-5  # fp32 kernel vs fp64 recurrence, max |diff| of outputs and states (values ~1)
@@ -29,7 +28,8 @@ H, K, V = 2, 16, 16
 
 
 def _inputs(per_head: bool, lengths=LENGTHS, seed=0):
-    """Leaves (q, k, v, gate, beta, h0) and g as the kernel sees it ([B, T, H, K])."""
+    """Leaves (q, k, v, gate, beta, h0) and g as the kernel sees it: [B, T, H] per head (GDN, as the
+    contract passes it), [B, T, H, K] per key channel (KDA)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(lengths)
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_()
@@ -38,8 +38,7 @@ def _inputs(per_head: bool, lengths=LENGTHS, seed=0):
     gate = (-torch.rand(B, T, H, *(() if per_head else (K,)), generator=gen)).requires_grad_()
     beta = torch.rand(B, T, H, generator=gen).requires_grad_()
     h0 = torch.randn(B, H, K, V, generator=gen).requires_grad_()
-    g = gate[..., None].expand(B, T, H, K) if per_head else gate
-    return (q, k, v, gate, beta, h0), g
+    return (q, k, v, gate, beta, h0), gate
 
 
 def _weights(o, final, seed=1):
@@ -119,25 +118,12 @@ def test_inner_states_by_split_segments():
         assert _rel(got, want.double()) <= GRAD_RTOL, name
 
 
-def test_per_head_gate_only_when_proved():
-    """The per-head kernel is chosen for an expanded gate (also once gathered), never for K free
-    channels that happen to be equal (their gradients differ per channel)."""
-    head = -torch.rand(6, 2, requires_grad=True)
-    expanded = head[..., None].expand(6, 2, K)
-    assert per_head_gate(expanded) is not None
-    assert per_head_gate(expanded[torch.tensor([[0, 3], [5, 1]])]) is not None
-    equal_leaf = expanded.detach().clone().requires_grad_()
-    assert per_head_gate(equal_leaf) is None
-    assert per_head_gate(equal_leaf.detach()) is not None
-    assert per_head_gate(-torch.rand(6, 2, K)) is None
-
-
 def test_equal_channel_gate_keeps_per_channel_gradients():
     """A per-channel gate leaf whose K values coincide runs chunk_kda: its per-channel gradient
     matches the plain kernel's (the per-head kernel would give one summed column)."""
     leaves, g_head = _inputs(per_head=True, lengths=[9, 5], seed=3)
     q, k, v, _, beta, h0 = leaves
-    g = g_head.detach().clone().requires_grad_()
+    g = g_head[..., None].expand(*g_head.shape, K).detach().clone().requires_grad_()
     lengths = torch.tensor([9, 5])
     o, final = fla_delta_rule(q, k, v, g, beta, initial_state=h0, lengths=lengths)
     ref_o, ref_f = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=h0, lengths=lengths, chunk_size=8)
@@ -165,8 +151,7 @@ def test_tree_delta_rule_under_fla_backend(recompute):
     leaves = (q, k, v, head, beta)
 
     def run():
-        out, states = tree_gated_delta_rule(q, k, v, head[..., None].expand(n, H, K), beta, plan,
-                                            recompute=recompute)
+        out, states = tree_gated_delta_rule(q, k, v, head, beta, plan, recompute=recompute)
         node_states = torch.stack([states[i] for i in sorted(states)])
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
         ws = torch.randn(node_states.shape, generator=torch.Generator().manual_seed(7))

@@ -33,8 +33,8 @@ from harts.objectives import (
     rollouts_from_batch,
     with_advantages,
 )
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import MicroBatchPlan, Part, plan_micro_batches
-from harts.plan.waves import LinearCostModel, PlanMode
 from harts.runtime import (
     ForestLogprobs,
     ForestScores,

@@ -178,12 +178,11 @@ def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) ->
     key = key.reshape(n, -1, attn.head_k_dim).to(f)
     value = value.reshape(n, -1, attn.head_v_dim).to(f)
     beta = b.sigmoid()[0].to(f)  # [N, Hv]
-    g = (-attn.A_log.to(f).exp() * F.softplus(a.to(f) + attn.dt_bias))[0]  # [N, Hv]
+    g = (-attn.A_log.to(f).exp() * F.softplus(a.to(f) + attn.dt_bias))[0]  # [N, Hv], per head as is
     groups = attn.num_v_heads // attn.num_k_heads
     if groups > 1:  # each key head serves `groups` consecutive value heads
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
-    g = g[..., None].expand(-1, -1, attn.head_k_dim)
     out = ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(x.dtype)
     out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
     return attn.out_proj(out.reshape(1, n, -1))

@@ -42,7 +42,7 @@ from harts.bench.cases import (
     variant_fns,
 )
 from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
-from harts.plan.waves import PlanMode
+from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
 from harts.testing import FAMILIES
 

@@ -1,26 +1,27 @@
 """Op backends: the one seam where device-specific kernels plug in.
 
-The executor and the adapters never call a kernel directly: the tree ops ask
-:func:`current_backend` for the delta-rule kernel (the signature of
-:func:`harts.ops.delta_rule.chunked_gated_delta_rule`: batched right-padded segments, per-segment
-fp32 initial states, final states, optional states at inner positions) and for the tree attention
-kernel (the signature of :func:`harts.ops.tree_attention.tree_attention` over a
+The executor and the adapters never call a kernel directly. A recurrence
+(:class:`~harts.ops.recurrence.Recurrence`) asks :func:`current_backend` for the kernel registered
+under its name (the contract's chunked-op signature: batched right-padded segments, per-segment fp32
+initial states, final states, optional states at inner positions) and runs its own plain-PyTorch op
+when the backend has none; tree attention asks for the backend's attention kernel (the signature of
+:func:`harts.ops.tree_attention.tree_attention` over a
 :class:`~harts.ops.tree_attention.TreeAttentionPlan`). Planners and adapters are untouched when a
 backend is added: register it with :func:`register_backend` and select it with
 :func:`use_backend`.
 
 Built in: ``torch``, plain PyTorch on any device (the CPU path, and a correct GPU path through
-SDPA and batched matmuls), the default. Registered: ``fla`` (:mod:`harts.ops.fla_backend`):
-flash-linear-attention's varlen ``chunk_kda`` / ``chunk_gated_delta_rule`` for the delta rule and
-a FlexAttention block mask for tree attention, for CUDA devices; it needs the ``gpu`` extra and is
-imported only when first selected, so an install without it never loads fla or triton
-(docs/gpu.md says what was validated where).
+SDPA and batched matmuls), the default: it names no recurrence, so each runs its plain op.
+Registered: ``fla`` (:mod:`harts.ops.fla_backend`): flash-linear-attention's varlen ``chunk_kda`` /
+``chunk_gated_delta_rule`` for the delta rule and a FlexAttention block mask for tree attention,
+for CUDA devices; it needs the ``gpu`` extra and is imported only when first selected, so an
+install without it never loads fla or triton (docs/gpu.md says what was validated where).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = ["Backend", "register_backend", "use_backend", "current_backend", "available_backends"]
@@ -28,23 +29,25 @@ __all__ = ["Backend", "register_backend", "use_backend", "current_backend", "ava
 
 @dataclass(frozen=True)
 class Backend:
+    """A set of kernels: ``recurrences`` maps a recurrence's name (``Recurrence.name``) to the
+    chunked op that replaces its plain one; ``attention`` is the tree-attention kernel."""
+
     name: str
-    delta_rule: Callable
+    recurrences: Mapping[str, Callable]
     attention: Callable
 
 
 def _torch_backend() -> Backend:
-    from harts.ops.delta_rule import chunked_gated_delta_rule
     from harts.ops.tree_attention import tree_attention
 
-    return Backend("torch", chunked_gated_delta_rule, tree_attention)
+    return Backend("torch", {}, tree_attention)
 
 
 def _fla_backend() -> Backend:
-    from harts.ops.fla_backend import fla_delta_rule, flex_tree_attention, require_fla
+    from harts.ops.fla_backend import RECURRENCES, flex_tree_attention, require_fla
 
     require_fla()
-    return Backend("fla", fla_delta_rule, flex_tree_attention)
+    return Backend("fla", RECURRENCES, flex_tree_attention)
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {"torch": _torch_backend, "fla": _fla_backend}

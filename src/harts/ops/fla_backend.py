@@ -5,7 +5,8 @@ Selected with ``harts.ops.backends.use_backend("fla")``, a context around any en
 only when the backend is first selected, so the CPU install never loads them.
 
 Delta rule (:func:`fla_delta_rule`, the signature of
-:func:`harts.ops.delta_rule.chunked_gated_delta_rule`). harts hands a call as right-padded segments
+:func:`harts.ops.delta_rule.chunked_gated_delta_rule`, registered under the recurrence's name in
+:data:`RECURRENCES`). harts hands a call as right-padded segments
 [B, T, H, K] with per-segment fp32 initial states; fla's chunked kernels take one packed sequence
 [1, sum L, H, K] with ``cu_seqlens`` and one initial state per sequence, and backpropagate into the
 initial states and from the final states. The conversion:
@@ -15,13 +16,11 @@ initial states and from the final states. The conversion:
 - q and k are used as given (``use_qk_l2norm_in_kernel=False``: the mixers normalise before the
   call), ``scale`` multiplies q·k as in harts (default K ** -0.5), beta is post-sigmoid, g is the
   log-decay (``use_gate_in_kernel=False``; fla takes natural-log gates and rescales them itself);
-- the gate: harts passes [B, T, H, K] for both KDA and GDN (GDN's per-head gate expanded over K).
-  ``chunk_gated_delta_rule`` takes a per-head gate [B, T, H] and returns only its per-head gradient,
-  which is the right gradient only when the caller's K columns are one value expanded, not K free
-  values that happen to be equal. So the per-head kernel runs only when that is proved
-  (:func:`per_head_gate`: an expanded view, a gather of one, or a gate that needs no gradient and is
-  constant over K); any other gate runs ``chunk_kda``, which is exact for every gate (GDN included),
-  only slower;
+- the gate: a per-head gate (GDN's, [B, T, H] or [B, T, H, 1] as the contract lets it come,
+  :data:`~harts.ops.recurrence.DELTA_RULE`'s ``per_head_inputs``) runs ``chunk_gated_delta_rule``,
+  which takes it as it is and returns its per-head gradient; a gate per key channel [B, T, H, K]
+  runs ``chunk_kda``, exact for every gate, even one whose K channels happen to be equal (their
+  gradients are K free values, which the per-head kernel would sum into one);
 - ``output_states_at`` (the states after inner nodes of a chain segment): fla returns only final
   states, so each segment is split at the requested offsets into pieces that run in rounds: round r
   runs the r-th piece of every segment in one packed call, from the final states of round r - 1.
@@ -51,9 +50,10 @@ import functools
 import numpy as np
 import torch
 
+from harts.ops.chunked import head_gate
 from harts.plan.attention import TreeAttentionPlan
 
-__all__ = ["require_fla", "fla_delta_rule", "flex_tree_attention", "per_head_gate", "tree_block_mask"]
+__all__ = ["RECURRENCES", "require_fla", "fla_delta_rule", "flex_tree_attention", "tree_block_mask"]
 
 
 def require_fla() -> None:
@@ -70,34 +70,14 @@ def require_fla() -> None:
 # ---- delta rule -------------------------------------------------------------------------------------
 
 
-def per_head_gate(g: torch.Tensor) -> torch.Tensor | None:
-    """g [..., K] as a per-head gate [...] when its K columns are provably one value, else None.
-
-    Proved by structure, never by coincidence of values when a gradient is needed: an expanded view
-    (stride 0 over K); a row gather (``x[idx]``) of a [..., 1] -> [..., K] expand, read from the
-    autograd graph (the gather keeps rows whole, and the expand's backward sums over K, so any split
-    of the per-head gradient over K gives the caller the same gradient); or, without a gradient,
-    values equal over K (one comparison on the device).
-    """
-    if g.shape[-1] == 1 or g.stride(-1) == 0:
-        return g[..., 0]
-    if not (torch.is_grad_enabled() and g.requires_grad):
-        return g[..., 0] if torch.equal(g, g[..., :1].expand_as(g)) else None
-    fn = g.grad_fn
-    if fn is not None and fn.name() == "IndexBackward0" and len(getattr(fn, "_saved_indices", ())) == 1:
-        src = fn.next_functions[0][0]
-        if src is not None and src.name() == "ExpandBackward0":
-            sizes = tuple(getattr(src, "_saved_self_sym_sizes", ()))
-            if sizes and sizes[-1] == 1 and len(sizes) == g.dim() - 1:
-                return g[..., 0]
-    return None
-
-
 def _check_delta_inputs(q, k, v, g, beta, initial_state, lengths, output_states_at):
-    if k.dim() != 4 or q.shape != k.shape or g.shape != k.shape:
-        raise ValueError(f"expected q, k, g [B, T, H, K] of one shape, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, g {tuple(g.shape)}")
+    if k.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"expected q, k [B, T, H, K] of one shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     B, T, H, K = k.shape
+    if g.shape not in ((B, T, H), (B, T, H, 1), (B, T, H, K)):
+        raise ValueError(f"expected g [B={B}, T={T}, H={H}, K={K}] or per head [B, T, H] / [B, T, H, 1], "
+                         f"got {tuple(g.shape)}")
     if v.dim() != 4 or v.shape[:3] != (B, T, H):
         raise ValueError(f"expected v [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
@@ -125,8 +105,9 @@ def fla_delta_rule(
 ):
     """:func:`harts.ops.delta_rule.chunked_gated_delta_rule` by fla's varlen kernels (module docstring).
 
-    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] fp32 (zeros if
-    None); lengths [B]; output_states_at [B, S] token counts. Returns (o [B, T, H, V] in q's dtype,
+    q, k [B, T, H, K]; g [B, T, H, K], or per head [B, T, H] / [B, T, H, 1]; v [B, T, H, V]; beta
+    [B, T, H]; initial_state [B, H, K, V] fp32 (zeros if None); lengths [B]; output_states_at [B, S]
+    token counts. Returns (o [B, T, H, V] in q's dtype,
     final state [B, H, K, V] fp32[, states [B, S, H, K, V] fp32]). ``chunk_size`` is accepted and
     ignored (fla's kernels pick their own chunk).
     """
@@ -141,9 +122,10 @@ def fla_delta_rule(
     at = None if output_states_at is None else output_states_at.tolist()
     cuts = [sorted({0, n} | ({min(max(int(a), 0), n) for a in at[b]} if at is not None else set()))
             for b, n in enumerate(lens)]
-    head_gate = per_head_gate(g)
-    flat = (q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, H, V),
-            (g if head_gate is None else head_gate).reshape(B * T, H, -1), beta.reshape(B * T, H))
+    per_head = head_gate(g, k)
+    gate = g.reshape(B * T, H, K) if per_head is None else per_head.reshape(B * T, H)
+    flat = (q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, H, V), gate,
+            beta.reshape(B * T, H))
     state = list(initial_state.float().unbind(0))
     reached = [{0: state[b]} for b in range(B)]  # state after c tokens, per cut c
     rows, outs = [], []
@@ -155,7 +137,7 @@ def fla_delta_rule(
         idx = torch.cat([torch.arange(b * T + s, b * T + e) for b, s, e in pieces]).to(k.device)
         seqlens = torch.tensor([0] + [e - s for _, s, e in pieces]).cumsum(0)
         o, final = _run_packed(*(x[idx][None] for x in flat), torch.stack([state[b] for b, _, _ in pieces]),
-                               seqlens, scale, per_head=head_gate is not None)
+                               seqlens, scale, per_head=per_head is not None)
         for i, (b, _, e) in enumerate(pieces):
             state[b] = final[i]
             reached[b][e] = final[i]
@@ -173,14 +155,19 @@ def fla_delta_rule(
     return o, final_state, states
 
 
+#: the recurrences this backend has a kernel for, by name (:data:`harts.ops.recurrence.DELTA_RULE`'s)
+RECURRENCES = {"delta_rule": fla_delta_rule}
+
+
 def _run_packed(q, k, v, g, beta, init, seqlens, scale, per_head: bool):
-    """One fla call over a packed sequence [1, L, H, .] of len(seqlens) - 1 segments."""
+    """One fla call over a packed sequence [1, L, H, .] of len(seqlens) - 1 segments; g [1, L, H]
+    per head (``per_head``) or [1, L, H, K]."""
     cu_cpu = seqlens.to(torch.long)
     cu = cu_cpu.to(q.device)
     if per_head:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        return chunk_gated_delta_rule(q, k, v, g[..., 0], beta, scale=scale, initial_state=init,
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=init,
                                       output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     from fla.ops.kda import chunk_kda
 

@@ -1,6 +1,6 @@
 """The chunk-tree plan: every linear-attention layer of a micro-batch in one call.
 
-The call plans of :mod:`harts.plan.waves` run a layer as several batched calls (one per depth
+The call plans of :mod:`harts.plan.linear` run a layer as several batched calls (one per depth
 level, or per chain), each a chunked recurrence over right-padded segments: on forests of many
 short nodes the per-call fixed cost dominates. This plan instead cuts every node into chunks of
 ``chunk_size`` tokens (its last chunk right-padded with identity steps) and links the chunks into
@@ -8,9 +8,9 @@ a tree: a chunk starts from the state its predecessor in the node ends with, or,
 first chunk, from the state its parent node ends with (a root's from a handed-over state or
 zeros). The chunked kernels then compute every chunk's intra-chunk terms in one batch, and only
 the small state recurrence S_end = T S_start + D runs level by level down the chunk tree
-(:mod:`harts.ops.chunk_tree`): as many sequential steps as the longest path has chunks, each over
-every chunk at that depth. Each node ends at a chunk boundary, so every node's final state is a
-chunk's end state, with no replay.
+(each recurrence's ``chunk_tree`` form, on :mod:`harts.ops.chunked.tree`): as many sequential
+steps as the longest path has chunks, each over every chunk at that depth. Each node ends at a
+chunk boundary, so every node's final state is a chunk's end state, with no replay.
 
 The price is padding: each node is padded to whole chunks, so short nodes want short chunks, while
 long nodes want long ones (fewer chunks and scan levels). :func:`chunk_tree_plan` picks the chunk

@@ -25,8 +25,9 @@ import torch
 
 from harts.forest import Forest, concat_ranges, node_depth_and_subtree_end
 from harts.plan.attention import TreeAttentionPlan, plan_tree_attention
+from harts.plan.linear import LinearPlan, plan_linear
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import Part
-from harts.plan.waves import LinearCostModel, LinearPlan, PlanMode, plan_linear
 
 __all__ = ["TreeLayout", "part_forest"]
 

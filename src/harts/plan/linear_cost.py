@@ -1,8 +1,8 @@
 """What a linear-attention plan costs: the plan modes and the cost model the planners choose by.
 
 Both kinds of plan are costed in the same unit (microseconds of forward + backward through the
-plain-PyTorch kernels), so :func:`harts.plan.waves.plan_linear` can weigh a plan of calls
-(:mod:`harts.plan.waves`) against the one-call chunk tree (:mod:`harts.plan.chunk_tree`):
+plain-PyTorch kernels), so :func:`harts.plan.linear.plan_linear` can weigh a plan of calls
+(:mod:`harts.plan.linear`) against the one-call chunk tree (:mod:`harts.plan.chunk_tree`):
 
 - a **call** of W segments padded to T tokens, run with chunk C (N = ceil(T / C) chunks), costs
   ``W N C (slot_cost + slot_cost_per_chunk C)`` for its token slots (padding included; the
@@ -32,7 +32,7 @@ __all__ = ["LinearCostModel", "PlanMode"]
 
 
 class PlanMode(StrEnum):
-    """How :func:`harts.plan.waves.plan_linear` cuts a forest into calls."""
+    """How :func:`harts.plan.linear.plan_linear` cuts a forest into calls."""
 
     AUTO = "auto"  # the cheapest of DEPTH, CHAIN (any call budget) and TREE under the cost model
     DEPTH = "depth"  # one call per depth level, one node per segment
@@ -110,10 +110,10 @@ class LinearCostModel:
         return max(self.chunk_sizes)
 
     def call(self, call) -> float:
-        """Cost of one :class:`~harts.plan.waves.LinearCall` (this module imports no plan)."""
+        """Cost of one :class:`~harts.plan.linear.LinearCall` (this module imports no plan)."""
         w, t = call.token_index.shape
         return self.shape(w, t, call.num_boundaries, call.chunk_size)
 
     def plan(self, plan) -> float:
-        """Cost of a :class:`~harts.plan.waves.LinearPlan`: the sum of its calls'."""
+        """Cost of a :class:`~harts.plan.linear.LinearPlan`: the sum of its calls'."""
         return float(sum(self.call(c) for c in plan.calls))

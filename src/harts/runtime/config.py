@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS
+from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import DEFAULT_CONTEXT_WEIGHT
-from harts.plan.waves import LinearCostModel, PlanMode
 
 __all__ = ["RunConfig"]
 

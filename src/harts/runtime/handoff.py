@@ -21,7 +21,7 @@ from harts.ops.backends import current_backend
 from harts.ops.precision import attention_inputs
 from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.ops.short_conv import tree_short_conv
-from harts.ops.tree_delta_rule import tree_recurrence
+from harts.ops.tree_recurrence import tree_recurrence
 from harts.plan.layout import TreeLayout
 
 __all__ = ["LayerHandoff", "MixerContext", "HandoffBanks"]

@@ -48,7 +48,7 @@ from harts.objectives.advantages import (
     tree_advantages,
 )
 from harts.objectives.losses import Aggregation, KLEstimator, LossKind, PolicyLossConfig
-from harts.plan.waves import PlanMode
+from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
 from harts.testing import ALL_FAMILIES
 from harts.trainer.sections import EvalSection, LoRASection, SamplesSection, one_of, positive_int

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.chunked import gate_per_key
+
+__all__ = ["naive_recurrent_gated_delta_rule"]
+
 
 def naive_recurrent_gated_delta_rule(
     q: torch.Tensor,
@@ -31,14 +35,15 @@ def naive_recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step-by-step gated delta rule.
 
-    Shapes: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] or None.
+    Shapes: q, k [B, T, H, K]; g [B, T, H, K] or per head [B, T, H] / [B, T, H, 1]; v [B, T, H, V];
+    beta [B, T, H]; initial_state [B, H, K, V] or None.
     Returns (o [B, T, H, V], final_state [B, H, K, V]), both in ``dtype`` (the compute dtype), so the
     caller decides how to compare. ``scale`` defaults to K ** -0.5 and multiplies q.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, gate_per_key(g, k), beta))
     if initial_state is None:
         S = torch.zeros(B, H, K, V, dtype=dtype, device=k.device)
     else:

@@ -38,9 +38,7 @@ from harts.plan.linear_cost import LinearCostModel, PlanMode
 
 __all__ = [
     "LinearCall",
-    "LinearCostModel",
     "LinearPlan",
-    "PlanMode",
     "chain_plan",
     "depth_wave_plan",
     "min_calls",

@@ -2,7 +2,7 @@
 handoff from parent to child. :func:`tree_recurrence` is the general form; :func:`tree_gated_delta_rule`
 the delta rule through it, unchanged.
 
-Each call of a :class:`~harts.plan.waves.LinearPlan` gathers its segments into a right-padded
+Each call of a :class:`~harts.plan.linear.LinearPlan` gathers its segments into a right-padded
 batch, starts each segment from the fp32 final state of its ``init_node`` (zeros at roots), runs
 the chunked kernel once, and keeps the final state of every node it ran for the calls after it:
 the segment's final state for its ``end_node``, and, for a segment that runs a chain of nodes,
@@ -12,12 +12,12 @@ of chunks to nodes needed). The states are ordinary tensors in the autograd grap
 in place, so the gradient of a parent's final state is the sum over its children by construction.
 
 Shapes: the recurrence's per-token inputs [N, H, ...] (for the delta rule q, k [N, H, K]; v [N, H, V];
-g [N, H, K], log decay per key channel, GDN's per-head gate expanded over K by the caller; beta
-[N, H]). Returns o [N, H, V] and the final state [H, K, V]
-of every node of the plan (inner chain nodes included: children in later calls and later
-micro-batches read them). ``root_states`` supplies the initial state of segments that start at a
-node without a parent in the plan (``init_node == -1``), keyed by that node: the final state of
-its parent in an earlier micro-batch. Missing entries start from zeros.
+g [N, H, K], log decay per key channel, or [N, H] per head (GDN), which reaches the kernel as it is;
+beta [N, H]). Returns o [N, H, V] and the final state [H, K, V] of every node of the plan (inner
+chain nodes included: children in later calls and later micro-batches read them). ``root_states``
+supplies the initial state of segments that start at a node without a parent in the plan
+(``init_node == -1``), keyed by that node: the final state of its parent in an earlier
+micro-batch. Missing entries start from zeros.
 
 ``recompute=True`` trades compute for memory: each call keeps for backward only references to
 the inputs (as passed, shared by all calls, and its initial states) and runs its
@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from harts.ops.precision import no_autocast
 from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.plan.chunk_tree import ChunkTreePlan
-from harts.plan.waves import LinearCall, LinearPlan
+from harts.plan.linear import LinearCall, LinearPlan
 
 __all__ = ["tree_gated_delta_rule", "tree_recurrence"]
 

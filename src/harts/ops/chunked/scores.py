@@ -1,0 +1,87 @@
+"""Decay-weighted scores inside each chunk, without overflow or cancellation.
+
+With per-channel decay the intra-chunk products need the decay inside the K-contraction:
+sum_c a_t[c] b_j[c] exp(G_t[c] - G_j[c]) with G the in-chunk cumulative log-decay. The usual
+factorisation (a * exp(G)) @ (b * exp(-G))^T overflows fp32 once -G > 88 (5 steps of g = -20); the
+stock transformers chunk avoids that by building a [C, C, K] decay tensor per chunk, which is slow.
+Here the chunk is split recursively in halves (C/2, C/4, ..., 1): each pair j < t is separated at
+exactly one level, with j in the left half and t in the right half of a block, and the reference
+point r is the last position of the left half. Then both factors exp(G_t - G_r) and exp(G_r - G_j)
+are <= 1 (no overflow for any g <= 0) and each level is one batched matmul, C log2(C) K work in
+elementwise ops. Every exponent is formed as a direct sum of the g's it spans (cumulative sums
+inside a half-block), never as a difference of two long cumulative sums, so a large early decay
+costs no precision later.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["exclusive_suffix_sum", "intra_chunk_scores"]
+
+
+def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """out[t] = sum_{s > t} x[s] along ``dim``, accumulated from the end (no cancellation)."""
+    inclusive = x.flip(dim).cumsum(dim).flip(dim)
+    n = x.shape[dim]
+    return torch.cat([inclusive.narrow(dim, 1, n - 1), torch.zeros_like(inclusive.narrow(dim, 0, 1))], dim)
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_layout(C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (t, j) entry of a C x C chunk matrix lives in the concatenated per-level values.
+
+    Level s (s = 1, 2, ..., C/2) holds, for each parent block of 2s positions, the s x s products of its
+    right half (rows t) with its left half (cols j). Every pair j < t belongs to exactly one level: the
+    one of the highest bit where t and j differ. Returns flat indices for P (lower incl. diagonal, the
+    diagonal stored after all levels) and A (strictly lower); the last slot is a zero.
+    """
+    t = torch.arange(C)[:, None].expand(C, C)
+    j = torch.arange(C)[None, :].expand(C, C)
+    n_lower = C * (C - 1) // 2
+    idx_p = torch.full((C, C), n_lower + C, dtype=torch.long)  # zero slot
+    lower = j < t
+    diff = torch.where(lower, t ^ j, torch.ones_like(t))
+    s = 1 << (torch.floor(torch.log2(diff.double())).long())  # half size of the splitting level
+    offset = (C // 2) * (s - 1)  # sum over smaller levels s' of (C / 2s') * s'^2 = (C/2) (s - 1)
+    par = t // (2 * s)
+    slot = offset + par * s * s + (t - par * 2 * s - s) * s + (j - par * 2 * s)
+    idx_p = torch.where(lower, slot, idx_p)
+    idx_a = torch.where(lower, slot, torch.full_like(idx_p, n_lower))
+    idx_p = torch.where(t == j, n_lower + t, idx_p)
+    return idx_p.reshape(-1).to(device), idx_a.reshape(-1).to(device)
+
+
+def intra_chunk_scores(q, k, g):
+    """Decay-weighted scores inside each chunk.
+
+    q, k, g: [..., C, K], C a power of two. Returns (P, A) of shape [..., C, C]:
+      P[t, j] = sum_c q_t[c] k_j[c] exp(sum_{j<s<=t} g_s[c])  for j <= t, else 0
+      A[t, j] = same with k_t in place of q_t, for j < t only (strictly lower).
+    Binary split: in each block of 2s positions, rows t of the right half meet cols j of the left half
+    through the reference r = last position of the left half, so j <= r < t and
+      exp(sum_{j<s<=t} g_s) = exp(sum_{r<s<=t} g_s) * exp(sum_{j<s<=r} g_s),
+    both factors <= 1 and both sums of g's (no difference of sums): no overflow, no cancellation.
+    """
+    *lead, C, K = k.shape
+    q_vals, k_vals = [], []
+    s = 1
+    while s < C:
+        n_par = C // (2 * s)
+        gs, qs, ks = (x.reshape(*lead, n_par, 2, s, K) for x in (g, q, k))
+        row_w = torch.exp(gs[..., 1, :, :].cumsum(-2))  # exp(sum_{r<s'<=t} g)
+        col_w = torch.exp(exclusive_suffix_sum(gs[..., 0, :, :], -2))  # exp(sum_{j<s'<=r} g)
+        rows = torch.cat([qs[..., 1, :, :] * row_w, ks[..., 1, :, :] * row_w], -2)  # [..., n_par, 2s, K]
+        cols = ks[..., 0, :, :] * col_w  # [..., n_par, s, K]
+        blk = rows @ cols.transpose(-1, -2)  # [..., n_par, 2s, s]
+        q_vals.append(blk[..., :s, :].reshape(*lead, -1))
+        k_vals.append(blk[..., s:, :].reshape(*lead, -1))
+        s *= 2
+    zero = k.new_zeros(*lead, 1)
+    diag = (q * k).sum(-1)  # P[t, t] = q_t . k_t (no decay between a token and itself)
+    idx_p, idx_a = _pair_layout(C, k.device)
+    P = torch.cat(q_vals + [diag, zero], -1).index_select(-1, idx_p).reshape(*lead, C, C)
+    A = torch.cat(k_vals + [zero], -1).index_select(-1, idx_a).reshape(*lead, C, C)
+    return P, A
