@@ -42,6 +42,7 @@ from harts.bench.cases import (
     variant_fns,
 )
 from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
+from harts.ops.backends import available_backends, resolve_backend
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
 from harts.testing import FAMILIES
@@ -173,6 +174,7 @@ def machine_info(cfg: BenchConfig) -> dict:
     )
     if cfg.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
+    info["backend"], info["backend_reason"] = resolve_backend(cfg.run.backend, torch.device(cfg.device))
     return info
 
 
@@ -180,6 +182,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run every (family, shape) of ``cfg``; returns the JSON-ready results."""
     cfg = cfg.resolved()
     torch.set_num_threads(cfg.threads)
+    backend, why = resolve_backend(cfg.run.backend, torch.device(cfg.device))
+    log(f"backend: {backend} ({why})")
     rows = []
     for family in cfg.families:
         for shape in cfg.shapes:
@@ -222,10 +226,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
     p.add_argument("--flat-budgets", type=int, nargs="*", default=list(BenchConfig.flat_budgets),
                    help="more budgets the flat layout runs at; the fastest flat run is the baseline")
     p.add_argument("--step", choices=sorted(STEPS), default="forest_step")
+    p.add_argument("--backend", choices=["auto", *available_backends()], default="auto",
+                   help="kernels: torch (plain PyTorch), fla (CUDA, the gpu extra), auto (fla on CUDA "
+                        "where installed)")
     a = p.parse_args(argv)
     run_config = RunConfig(
         budget_tokens=a.budget, linear_plan=a.linear_plan, recompute_linear=a.recompute_linear,
-        hold_tokens=a.hold_tokens,
+        hold_tokens=a.hold_tokens, backend=a.backend,
     )  # fmt: skip
     cfg = BenchConfig(
         shapes=tuple(a.shapes),

@@ -21,10 +21,14 @@ install without it never loads fla or triton (docs/gpu.md says what was validate
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Backend", "register_backend", "use_backend", "current_backend", "available_backends"]
+__all__ = [
+    "Backend", "register_backend", "use_backend", "current_backend", "available_backends", "resolve_backend",
+    "gpu_extra_installed",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,32 @@ def current_backend() -> Backend:
     if name not in _CACHE:
         _CACHE[name] = _REGISTRY[name]()
     return _CACHE[name]
+
+
+def gpu_extra_installed() -> bool:
+    """Whether flash-linear-attention and triton (the ``gpu`` extra) are importable (not imported)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+
+
+def resolve_backend(name: str, device) -> tuple[str, str]:
+    """The backend a run configured with ``name`` uses on ``device``, and why, in a few words.
+
+    A named backend is used as named. ``auto`` keeps the backend of an enclosing :func:`use_backend`
+    context; outside one, it picks ``fla`` on a CUDA device when the ``gpu`` extra is installed and
+    ``torch`` otherwise.
+    """
+    if name != "auto":
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown backend {name!r}; available: auto, {', '.join(available_backends())}")
+        return name, "configured"
+    if len(_ACTIVE) > 1:
+        return _ACTIVE[-1], "the enclosing use_backend context"
+    cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+    if cuda and gpu_extra_installed():
+        return "fla", "auto: a CUDA device and the gpu extra installed"
+    if cuda:
+        return "torch", "auto: a CUDA device without the gpu extra (pip install 'harts[gpu]' for fla)"
+    return "torch", f"auto: {device} device"
 
 
 @contextlib.contextmanager

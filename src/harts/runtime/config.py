@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts.ops.backends import available_backends
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS
 from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import DEFAULT_CONTEXT_WEIGHT
@@ -48,6 +49,11 @@ class RunConfig:
       layer's gradient sum runs during the next layer's backward. Costs one more layer unit whole
       (and one unit's gradient in flight). False: each collective completes before compute goes
       on, one unit whole at a time. The result is the same bits either way.
+    - ``backend``: the kernels (:mod:`harts.ops.backends`): ``torch`` (plain PyTorch, any device),
+      ``fla`` (flash-linear-attention and FlexAttention, CUDA, the ``gpu`` extra), or ``auto``
+      (default): the backend of an enclosing ``use_backend`` context, else ``fla`` on a CUDA device
+      where the ``gpu`` extra is installed and ``torch`` elsewhere. Backends agree to floating-point
+      rounding (each is tested against the same references), not bit for bit.
     """
 
     budget_tokens: int | None = None
@@ -58,6 +64,7 @@ class RunConfig:
     recompute_linear: bool = False
     hold_tokens: int = 0
     fsdp_overlap: bool = True
+    backend: str = "auto"
 
     def __post_init__(self):
         if self.budget_tokens is not None and (
@@ -83,6 +90,10 @@ class RunConfig:
             raise ValueError(f"hold_tokens must be an int >= 0, got {self.hold_tokens!r}")
         if not isinstance(self.fsdp_overlap, bool):
             raise ValueError(f"fsdp_overlap must be True or False, got {self.fsdp_overlap!r}")
+        if self.backend != "auto" and self.backend not in available_backends():
+            raise ValueError(
+                f"unknown backend {self.backend!r}; expected auto or one of {', '.join(available_backends())}"
+            )
 
     @staticmethod
     def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:

@@ -34,9 +34,9 @@ from harts.runtime.executor import resolve_model
 from harts.runtime.forward_only import (
     PositionScatter,
     RowLogprobs,
-    _runnable,
-    _trajectories,
+    forest_and_masks,
     forest_row_readout,
+    forward_only_model,
     position_rows,
 )
 from harts.runtime.readout import ScalarReadout, scalar_head
@@ -73,7 +73,7 @@ class ForestScores:
 
 
 def _head(model: nn.Module, what: str) -> nn.Module:
-    return scalar_head(resolve_model(_runnable(model)), what)
+    return scalar_head(resolve_model(forward_only_model(model)), what)
 
 
 def forward_values(
@@ -94,7 +94,7 @@ def forward_values(
     runs before any compute.
     """
     head = _head(critic, "forward_values")
-    forest, _ = _trajectories(inputs, share_prefixes)
+    forest, _ = forest_and_masks(inputs, share_prefixes)
     lengths = forest.trajectory_length.tolist()
     positions = [np.arange(1, n) for n in lengths]
     predictor, target = position_rows(forest, positions)
@@ -135,8 +135,8 @@ def score(
     ``budget_tokens``, ``share_prefixes``: as for :func:`forward_values`.
     """
     head = _head(reward_model, "score")
-    forest, _ = _trajectories(inputs, share_prefixes)
-    config = resolve_model(_runnable(reward_model)).config
+    forest, _ = forest_and_masks(inputs, share_prefixes)
+    config = resolve_model(forward_only_model(reward_model)).config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     positions = score_positions(forest, getattr(text_config, "pad_token_id", None))
     predictor = torch.stack([forest.trajectory_token_indices(i)[q] for i, q in enumerate(positions)])

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from harts.adapters import adapter_for
 from harts.adapters.base import logit_softcap
 from harts.forest import Forest
-from harts.ops.backends import current_backend
+from harts.ops.backends import current_backend, resolve_backend, use_backend
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, softcap_logits, token_logprobs
 from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
@@ -33,6 +33,7 @@ from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = [
     "forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for", "row_logprobs",
+    "run_backend",
     "check_targets", "plain_linear_head", "resolve_model",
 ]  # fmt: skip
 
@@ -223,6 +224,13 @@ def checkpointed(model: nn.Module, layer: nn.Module) -> bool:
     )
 
 
+def run_backend(run: RunConfig, model: nn.Module):
+    """The context that runs ``model``'s kernels on ``run.backend`` (resolved on the model's device,
+    :func:`harts.ops.backends.resolve_backend`). Kernels are chosen at forward time, and a recomputed
+    call in backward reuses the one its forward chose."""
+    return use_backend(resolve_backend(run.backend, model_device(model))[0])
+
+
 def layout_for(forest: Forest, device, run: RunConfig, part=None) -> TreeLayout:
     """The layout of ``forest`` (or of one ``part`` of it) with ``run``'s planning knobs.
 
@@ -261,6 +269,7 @@ def forward(model: nn.Module, forest: Forest, run: RunConfig | None = None) -> T
             f"harts.forward reads a causal LM's lm_head; {type(model).__name__} has none: a critic's values "
             f"come from harts.forward_values, a reward model's scores from harts.score"
         )
-    layout = layout_for(forest, model_device(model), run)
-    hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)
+    with run_backend(run, model):
+        layout = layout_for(forest, model_device(model), run)
+        hidden, _ = run_layout(model, layout, recompute_linear=run.recompute_linear)
     return TreeOutput(hidden, forest, model.lm_head, layout, run.chunk_rows, softcap=logit_softcap(model))

@@ -41,9 +41,9 @@ from torch import nn
 from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import check_inputs, resolve_model
+from harts.runtime.executor import check_inputs, resolve_model, run_backend
 from harts.runtime.readout import Readout, readout_for
-from harts.runtime.step import PartObserver, _check_rows, _Parts
+from harts.runtime.step import PartObserver, StepParts, check_rows
 
 __all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs"]
 
@@ -95,7 +95,7 @@ class ForestLogprobs:
         return self.rows.num_micro_batches
 
 
-def _runnable(model: nn.Module) -> nn.Module:
+def forward_only_model(model: nn.Module) -> nn.Module:
     """The module a forward-only pass runs: DDP's module (no gradient to synchronise); an FSDP2
     model with sharded parameters refused."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -151,12 +151,12 @@ def forest_row_readout(
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
     temperature = check_temperature(temperature)
-    model = resolve_model(_runnable(model))
+    model = resolve_model(forward_only_model(model))
     check_inputs(model, forest)
     readout = readout_for(model, readout, temperature)
-    predictor, target = _check_rows(forest, predictor, target, readout)
-    with torch.no_grad():
-        parts = _Parts(model, forest, predictor, target, None, run, PartObserver(), readout)
+    predictor, target = check_rows(forest, predictor, target, readout)
+    with torch.no_grad(), run_backend(run, model):
+        parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout)
         parts.forward_only()
     timings = {
         "plan": parts.clock.seconds["plan"] + parts.layout_seconds,
@@ -167,7 +167,7 @@ def forest_row_readout(
                        parts.forwards, timings)  # fmt: skip
 
 
-def _trajectories(inputs, share_prefixes: bool) -> tuple[Forest, list | None]:
+def forest_and_masks(inputs, share_prefixes: bool) -> tuple[Forest, list | None]:
     """The forest of ``inputs`` and, for rollouts, their loss masks (None where absent)."""
     if isinstance(inputs, Forest):
         if not share_prefixes:
@@ -230,7 +230,7 @@ def forest_logprobs(
     ref_logprobs=...)`` or ``rollout_logprobs=...``. No autograd, whatever the grad mode
     (module docstring). Every check runs before any compute.
     """
-    forest, masks = _trajectories(inputs, share_prefixes)
+    forest, masks = forest_and_masks(inputs, share_prefixes)
     lengths = forest.trajectory_length.tolist()
     if loss_positions_only:
         if masks is None:

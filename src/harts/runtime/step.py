@@ -63,6 +63,7 @@ from harts.runtime.executor import (
     layout_for,
     model_device,
     resolve_model,
+    run_backend,
     run_layout,
 )
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
@@ -169,7 +170,7 @@ def _split_loss(value) -> tuple[Tensor, dict[str, Tensor]]:
     return value, {}
 
 
-def _check_rows(forest: Forest, predictor, target, readout: Readout) -> tuple[Tensor, Tensor]:
+def check_rows(forest: Forest, predictor, target, readout: Readout) -> tuple[Tensor, Tensor]:
     predictor = torch.as_tensor(predictor, dtype=torch.long)
     target = torch.as_tensor(target, dtype=torch.long)
     if predictor.shape != target.shape or predictor.dim() != 1:
@@ -207,7 +208,7 @@ class _Clock:
             self.seconds[key] += time.perf_counter() - start
 
 
-class _Parts:
+class StepParts:
     """The parts of one step: their forwards, backwards, and the two orders they run in."""
 
     def __init__(self, model, forest, predictor, target, loss_fn, run, observer, readout: Readout,
@@ -530,21 +531,22 @@ def forest_backward(
     model = resolve_model(model)
     check_inputs(model, forest)
     readout = readout_for(model, readout, temperature)
-    predictor, target = _check_rows(forest, predictor, target, readout)
+    predictor, target = check_rows(forest, predictor, target, readout)
     by_trajectory = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
     by_row = by_trajectory and getattr(loss_fn, "separable_rows", False)
-    parts = _Parts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
-    everything = list(range(len(parts.layouts)))
-    if len(everything) == 1 or by_row:
-        parts.depth_first(everything)
-    elif by_trajectory:  # parts of whole trees on their own rows; cut trees see all their rows at once
-        whole = [p for p in everything if parts.layouts[p].self_contained]
-        cut = [p for p in everything if not parts.layouts[p].self_contained]
-        parts.depth_first(whole)
-        if cut:
-            parts.three_passes(cut)
-    else:
-        parts.three_passes(everything)
+    with run_backend(run, model):
+        parts = StepParts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
+        everything = list(range(len(parts.layouts)))
+        if len(everything) == 1 or by_row:
+            parts.depth_first(everything)
+        elif by_trajectory:  # parts of whole trees on their own rows; cut trees see all their rows at once
+            whole = [p for p in everything if parts.layouts[p].self_contained]
+            cut = [p for p in everything if not parts.layouts[p].self_contained]
+            parts.depth_first(whole)
+            if cut:
+                parts.three_passes(cut)
+        else:
+            parts.three_passes(everything)
     layouts = parts.layouts
     timings = {
         "plan": parts.clock.seconds["plan"] + sum(lay.build_seconds for lay in layouts),

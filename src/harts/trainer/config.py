@@ -184,6 +184,7 @@ class RunSection:
     recompute_linear: bool = False
     hold_tokens: int = 0
     fsdp_overlap: bool = True
+    backend: str = "auto"
 
     def __post_init__(self):
         one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
