@@ -1,9 +1,10 @@
 """The kernels suite's environment: fla's triton kernels on CPU tensors under the triton interpreter.
 
 Run by ``make test-kernels`` in ``.venv-kernels`` (torch CPU, flash-linear-attention, triton), never
-by ``make test``. Without a CUDA device the suite needs ``TRITON_INTERPRET=1`` (set here when
-missing, before triton is imported) and two work-arounds of interpreter limits, applied here and
-only here, never in the library path a GPU runs:
+by ``make test``; on a machine with a CUDA device (``make gpu-check``) the same tests run their
+kernels on it (``tests_kernels.device``), compiled. Without a CUDA device the suite needs
+``TRITON_INTERPRET=1`` (set here when missing, before triton is imported) and two work-arounds of
+interpreter limits, applied here and only here, never in the library path a GPU runs:
 
 1. autotuned kernels keep their first config: the interpreter has no device to benchmark the
    others on (``RuntimeError: 0 active drivers``);

@@ -20,6 +20,7 @@ from harts.ops.delta_rule import chunked_gated_delta_rule, naive_recurrent_gated
 from harts.ops.fla_backend import fla_delta_rule
 from harts.ops.tree_recurrence import tree_gated_delta_rule
 from harts.plan.layout import TreeLayout
+from tests_kernels.device import DEVICE
 
 OUT_ATOL = 1e-5  # fp32 kernel vs fp64 recurrence, max |diff| of outputs and states (values ~1)
 GRAD_RTOL = 1e-5  # relative norm error of each input's gradient
@@ -32,18 +33,19 @@ def _inputs(per_head: bool, lengths=LENGTHS, seed=0):
     contract passes it), [B, T, H, K] per key channel (KDA)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(lengths)
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_()
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_()
-    v = torch.randn(B, T, H, V, generator=gen).requires_grad_()
-    gate = (-torch.rand(B, T, H, *(() if per_head else (K,)), generator=gen)).requires_grad_()
-    beta = torch.rand(B, T, H, generator=gen).requires_grad_()
-    h0 = torch.randn(B, H, K, V, generator=gen).requires_grad_()
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE).requires_grad_()
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE).requires_grad_()
+    v = torch.randn(B, T, H, V, generator=gen).to(DEVICE).requires_grad_()
+    gate = (-torch.rand(B, T, H, *(() if per_head else (K,)), generator=gen)).to(DEVICE).requires_grad_()
+    beta = torch.rand(B, T, H, generator=gen).to(DEVICE).requires_grad_()
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE).requires_grad_()
     return (q, k, v, gate, beta, h0), gate
 
 
 def _weights(o, final, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
+    return (torch.randn(o.shape, generator=gen).to(o.device),
+            torch.randn(final.shape, generator=gen).to(o.device))
 
 
 def _rel(got, ref):
@@ -105,7 +107,8 @@ def test_inner_states_by_split_segments():
     o, final, states = fla_delta_rule(*args, initial_state=h0, lengths=lengths, output_states_at=at)
     ref = chunked_gated_delta_rule(*args, initial_state=h0, lengths=lengths, output_states_at=at,
                                    chunk_size=16)
-    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)) for i, x in enumerate(ref)]
+    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(x.device)
+               for i, x in enumerate(ref)]
 
     def loss(outputs):
         return sum((x * w).sum() for x, w in zip(outputs, weights, strict=True))
@@ -139,22 +142,22 @@ def test_tree_delta_rule_under_fla_backend(recompute):
     """The tree executor's calls (chain plan: inner node states, state hand-off) give the same
     outputs, node states and gradients under ``use_backend("fla")`` as under the torch backend."""
     forest = harts.build_forest([[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9, 10], [1, 7, 11], [12, 13]])
-    plan = TreeLayout(forest, linear_mode="chain").linear_plan
+    plan = TreeLayout(forest, DEVICE, linear_mode="chain").linear_plan
     assert any(call.num_boundaries for call in plan.calls)  # the case that needs split segments
     n = forest.num_tokens
     gen = torch.Generator().manual_seed(5)
-    q = F.normalize(torch.randn(n, H, K, generator=gen), dim=-1).requires_grad_()
-    k = F.normalize(torch.randn(n, H, K, generator=gen), dim=-1).requires_grad_()
-    v = torch.randn(n, H, V, generator=gen).requires_grad_()
-    head = (-torch.rand(n, H, generator=gen)).requires_grad_()
-    beta = torch.rand(n, H, generator=gen).requires_grad_()
+    q = F.normalize(torch.randn(n, H, K, generator=gen), dim=-1).to(DEVICE).requires_grad_()
+    k = F.normalize(torch.randn(n, H, K, generator=gen), dim=-1).to(DEVICE).requires_grad_()
+    v = torch.randn(n, H, V, generator=gen).to(DEVICE).requires_grad_()
+    head = (-torch.rand(n, H, generator=gen)).to(DEVICE).requires_grad_()
+    beta = torch.rand(n, H, generator=gen).to(DEVICE).requires_grad_()
     leaves = (q, k, v, head, beta)
 
     def run():
         out, states = tree_gated_delta_rule(q, k, v, head, beta, plan, recompute=recompute)
         node_states = torch.stack([states[i] for i in sorted(states)])
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
-        ws = torch.randn(node_states.shape, generator=torch.Generator().manual_seed(7))
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+        ws = torch.randn(node_states.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
         return out, node_states, torch.autograd.grad((out * w).sum() + (node_states * ws).sum(), leaves)
 
     with use_backend("fla"):

@@ -15,6 +15,7 @@ import torch
 import harts
 from harts.ops.backends import use_backend
 from harts.testing import tiny_model
+from tests_kernels.device import DEVICE
 
 LOGIT_ATOL = 1e-4  # the suite's fp32 logit bound (measured about 3e-6 here)
 TRAJECTORIES = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12, 13], [5, 6, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
@@ -22,11 +23,11 @@ TRAJECTORIES = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12, 13], [5, 6, 14, 15, 16, 1
 
 @pytest.mark.parametrize("family", ["qwen3_next", "bailing_hybrid"])
 def test_tree_forward_matches_torch_backend(family):
-    model = tiny_model(family, seed=7)
+    model = tiny_model(family, seed=7).to(DEVICE)
     forest = harts.build_forest(TRAJECTORIES)
     with torch.no_grad():
         ref = harts.forward(model, forest)
         with use_backend("fla"):
             out = harts.forward(model, forest)
     for i in range(forest.num_trajectories):
-        assert (out.trajectory_logits(i) - ref.trajectory_logits(i)).abs().max() <= LOGIT_ATOL
+        assert (out.trajectory_logits(i) - ref.trajectory_logits(i)).abs().max().item() <= LOGIT_ATOL

@@ -16,6 +16,7 @@ import harts
 from harts.ops.fla_backend import flex_tree_attention, tree_block_mask
 from harts.ops.tree_attention import masked_tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
+from tests_kernels.device import DEVICE
 
 OUT_ATOL = 1e-5  # fp32 FlexAttention vs the fp64 dense-mask SDPA (measured about 2e-7)
 SCALE = 0.3
@@ -65,7 +66,7 @@ CASES = {"one-token-nodes-D4": ("one-token-nodes-D4", 0, None),
 def test_eager_forward_matches_dense_mask(name, cut, budget):
     plan, (q, k, v), ref = _case(name, cut, budget=budget)
     with torch.no_grad():
-        out = flex_tree_attention(q, k, v, plan, SCALE)
+        out = flex_tree_attention(*(x.to(DEVICE) for x in (q, k, v)), plan, SCALE).cpu()
     assert out.shape == ref.shape
     assert (out.double() - ref).abs().max() <= OUT_ATOL
 
@@ -75,11 +76,12 @@ def test_compiled_forward_reads_block_tables():
     from torch.nn.attention.flex_attention import flex_attention
 
     plan, (q, k, v), ref = _case("star-P150-G3", 1, heads=(2, 1), dk=16, dv=16, budget=4096)
-    mask = tree_block_mask(plan, q.device)
+    q, k, v = (x.to(DEVICE) for x in (q, k, v))
+    mask = tree_block_mask(plan, DEVICE)
     assert mask.sparsity() > 0  # some blocks are skipped, so the tables matter
     with torch.no_grad():
         out = torch.compile(flex_attention)(q[None], k[None], v[None], block_mask=mask, scale=SCALE,
-                                            enable_gqa=True)[0].transpose(0, 1)
+                                            enable_gqa=True)[0].transpose(0, 1).cpu()
     assert (out.double() - ref).abs().max() <= OUT_ATOL
 
 
