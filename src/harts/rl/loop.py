@@ -91,6 +91,7 @@ class _RL(Run):
     """One ``run_rl`` call on the run skeleton: the task, the sampler, the layout, the rewards."""
 
     command = "harts rl"
+    progress_line = staticmethod(progress_line)
     plotted = PLOTTED
     plot_markers = False
 
@@ -191,9 +192,6 @@ class _RL(Run):
             computed_tokens_per_s=computed / train_s,
         )
         return record
-
-    def progress_line(self, record: dict, eta: float) -> str:
-        return progress_line(record, self.total, eta)
 
     def checkpoint_state(self) -> dict:
         return {"step": self.step, "layout": self.layout.value, "seed": self.config.seed,

@@ -10,7 +10,10 @@ log-probs are computed first; with ``[ppo]`` its advantages and old log-probs ar
 of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
 groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates.
 Checkpoints every ``checkpoint.every`` steps and at the end (:mod:`harts.trainer.checkpoint`);
-metrics of every step in ``OUT/metrics.jsonl``.
+metrics of every step in ``OUT/metrics.jsonl``. What every run does alike (set-up, resume, save,
+clip-and-step, metrics, progress, plot) is the run skeleton's (:class:`harts.trainer.run.Run`);
+this module adds the rollout file, the reference and old log-prob passes, eval, samples, LoRA and
+torchrun's ranks.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -73,7 +76,7 @@ from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
-from harts.trainer.progress import MetricsLog, progress_line
+from harts.trainer.progress import MetricsLog
 from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
 
@@ -391,9 +394,6 @@ class _Train(Run):
                 for line in self.samples(self.model, position.step):
                     samples.write(line)
             yield record
-
-    def progress_line(self, record: dict, eta: float) -> str:
-        return progress_line(record, self.total, eta)
 
     def checkpoint_state(self) -> dict:
         state = {

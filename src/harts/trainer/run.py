@@ -37,7 +37,7 @@ from harts.trainer.distributed import STATE_DIR, RankFailure, Ranks, load_state,
 from harts.trainer.inputs import quiet_transformers
 from harts.trainer.logging_backends import open_backends
 from harts.trainer.optim import ParameterSplit, build_optimizers
-from harts.trainer.progress import PLOTTED, MetricsLog, write_plot
+from harts.trainer.progress import PLOTTED, MetricsLog, progress_line, write_plot
 
 __all__ = ["Run", "TrainingDiverged", "collective", "update_metrics", "TRAINER_STATE", "STATE", "CONFIG",
            "METRICS"]  # fmt: skip
@@ -116,12 +116,14 @@ def update_metrics(result: StepResult, grad_norm: float, lrs: dict) -> dict:
 class Run:
     """One run of a command: its model and optimizers, its position, its save and restore, its loop.
 
-    A subclass sets ``command`` and ``plotted``, makes ``model`` (and ``wrapped``, the model the
-    step runs: DDP or FSDP2 under torchrun) and ``total`` in :meth:`setup`, counts the updates
-    done in ``step``, and yields one record per update from :meth:`updates`.
+    A subclass sets ``command`` (and its own ``progress_line`` and ``plotted``, where they are not
+    ``harts train``'s), makes ``model`` (and ``wrapped``, the model the step runs: DDP or FSDP2
+    under torchrun) and ``total`` in :meth:`setup`, counts the updates done in ``step``, and yields
+    one record per update from :meth:`updates`.
     """
 
     command = "harts"
+    progress_line = staticmethod(progress_line)  # (record, total, eta) -> the line of an update
     plotted: tuple[str, ...] = PLOTTED  # the metrics the plot draws
     plot_markers = True  # a marker per point when a curve has few
     step = 0  # optimizer updates done
@@ -169,9 +171,6 @@ class Run:
     def updates(self) -> Iterator[dict]:
         """Run the updates left, yielding each one's record once it is applied and counted in ``step``
         (``session`` counting its seconds)."""
-        raise NotImplementedError
-
-    def progress_line(self, record: dict, eta: float) -> str:
         raise NotImplementedError
 
     def checkpoint_state(self) -> dict:
@@ -318,7 +317,7 @@ class Run:
                     done = self.step == self.total
                     if self.main and (self.step % config.logging.every == 0 or done):
                         eta = self.session / (self.step - first) * (self.total - self.step)
-                        print(self.progress_line(record, eta), file=self.log, flush=True)
+                        print(self.progress_line(record, self.total, eta), file=self.log, flush=True)
                     every = config.checkpoint.every
                     if done or (every and self.step % every == 0):
                         last = self.save()
