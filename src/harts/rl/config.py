@@ -37,9 +37,9 @@ from harts.trainer.config import (
     OptimizerConfig,
     RunSection,
     ScheduleConfig,
+    build_section,
     read_toml_config,
 )
-from harts.trainer.config import _build as build_section
 
 __all__ = ["Layout", "RLConfig", "load_rl_config", "parse_rl_config", "SECTIONS"]
 

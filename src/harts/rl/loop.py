@@ -15,10 +15,11 @@ The episodes and the sampler's random numbers of step k come from ``(seed, k)`` 
 runs with equal parameters sample equal rollouts, and a resumed run samples what an
 uninterrupted one would.
 
-Reused from ``harts train`` (:mod:`harts.trainer`): the config sections, the optimizers and
-schedules, atomic checkpoints with a manifest (``step-NNNNNN/``: the model as
-``save_pretrained`` writes it, ``trainer_state.pt``, ``state.json``, ``config.toml``),
-``metrics.jsonl`` and the ``[logging] backends`` (TensorBoard, wandb). What this leaves out:
+Reused from ``harts train`` (:mod:`harts.trainer`): the config sections and the run skeleton
+(:class:`harts.trainer.run.Run`): the optimizers and schedules, clip-and-step, atomic checkpoints
+with a manifest (``step-NNNNNN/``: the model as ``save_pretrained`` writes it,
+``trainer_state.pt``, ``state.json``, ``config.toml``), ``metrics.jsonl`` and the ``[logging]
+backends`` (TensorBoard, wandb), the progress line's cadence and the plot. What this leaves out:
 several optimizer steps per batch (the loss is on-policy: the ratio is 1 up to rounding and
 PPO's clip never acts), a reference model for KL, MoE statistics and balancing, evaluation on
 held-out episodes.
@@ -26,10 +27,8 @@ held-out episodes.
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -41,26 +40,20 @@ from harts.objectives.advantages import advantages_to_rollouts, estimate_advanta
 from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.rollout import Rollout
 from harts.rl.config import Layout, RLConfig
-from harts.rl.report import plot_run
+from harts.rl.report import PLOTTED, progress_line
 from harts.rl.sampler import TreeSample, sample_tree
 from harts.rl.task import build_task
 from harts.runtime.config import RunConfig
 from harts.runtime.step import StepResult
 from harts.testing import tiny_model
 from harts.train.step import rollout_step, step_inputs
-from harts.trainer.checkpoint import latest, list_checkpoints, prune, run_lock, write_checkpoint
+from harts.trainer.checkpoint import Checkpoint
 from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
-from harts.trainer.logging_backends import check_backends, open_backends
-from harts.trainer.loop import TrainingDiverged
-from harts.trainer.optim import build_optimizers
-from harts.trainer.progress import MetricsLog
+from harts.trainer.logging_backends import check_backends
+from harts.trainer.run import Run, TrainingDiverged, update_metrics
 
 __all__ = ["run_rl", "rl_step", "step_randomness", "TrainingDiverged"]
-
-TRAINER_STATE = "trainer_state.pt"
-STATE = "state.json"
-CONFIG = "config.toml"
 
 
 def step_randomness(seed: int, step: int) -> tuple[np.random.Generator, torch.Generator]:
@@ -94,52 +87,29 @@ def rl_step(
     return result, forest
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
+class _RL(Run):
+    """One ``run_rl`` call on the run skeleton: the task, the sampler, the layout, the rewards."""
 
-
-def progress_line(record: dict, total: int, eta: float) -> str:
-    """``step 4/150 | reward 0.312 | loss -0.0123 | gnorm 0.51 | tree: 523 tokens for 8,400 flat ...``."""
-    return " | ".join([
-        f"step {record['step']}/{total}",
-        f"reward {record['reward']:.3f}",
-        f"loss {record['loss']:.4f}",
-        f"gnorm {record['grad_norm']:.3g}",
-        f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat "
-        f"(shared {record['redundancy']:.1f}x)",
-        f"sample {record['sample_seconds']:.2f} s train {record['train_seconds']:.2f} s",
-        f"eta {_duration(eta)}",
-    ])  # fmt: skip
-
-
-class _Run:
-    """The state of one ``run_rl`` call: model, optimizers, task, position; its save and restore."""
+    command = "harts rl"
+    progress_line = staticmethod(progress_line)
+    plotted = PLOTTED
+    plot_markers = False
 
     def __init__(self, config: RLConfig, out: Path, log: TextIO):
-        self.config, self.out, self.log = config, out, log
-        self.root = out / "checkpoints"
+        super().__init__(config, out, log)
         self.task = build_task(config.task)
         self.layout = Layout(config.layout)
         self.loss = config.loss_config()
         self.run_config = config.run.run_config()
+        self.total, self.wall, self.rewards = config.steps, 0.0, []
 
-    def say(self, line: str) -> None:
-        print(f"harts rl: {line}", file=self.log, flush=True)
-
-    def setup(self, resume: bool) -> dict | None:
+    def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
+        check_backends(config.logging.writers)  # a missing package refused before the model loads
         if config.model.gradient_checkpointing:
             raise ValueError("model.gradient_checkpointing: the sampler needs the model's cache, which "
                              "transformers turns off under gradient checkpointing in train mode")  # fmt: skip
-        start = latest(self.root) if resume else None  # verified before anything of it is read
-        if resume and start is None:
-            self.say(f"no checkpoint in {self.root}: starting from step 0")
-        if not resume and list_checkpoints(self.root):
-            newest = list_checkpoints(self.root)[-1].path.name
-            raise ValueError(f"{self.out} already holds checkpoints ({newest}): pass --resume to continue "
-                             f"from the newest, or choose another --out")  # fmt: skip
-        state = json.loads((start.path / STATE).read_text()) if start else None
+        start, state = self.resume_point(resume)
         if state is not None:
             if state["layout"] != config.layout or state["seed"] != config.seed:
                 raise ValueError(f"{start.path.name} is of a run with layout {state['layout']} and seed "
@@ -157,40 +127,19 @@ class _Run:
             self.model.to(config.model.device)
             own_memory(self.model)
             self.model.train()
-        self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, config.steps)
-        self.step, self.wall = 0, 0.0
+        self.wrapped = self.model
+        split = self.build_optimizers(config.steps)
         if start is not None:
-            trainer = torch.load(start.path / TRAINER_STATE, weights_only=True)
-            self.optim.load_state_dict(trainer["optimizers"])
+            self.restore_optimizers(start)
             self.step, self.wall = state["step"], state["wall_seconds"]
             self.say(f"resuming from {start.path} (step {self.step})")
-        params = sum(p.numel() for p in self.model.parameters())
-        threads = torch.get_num_threads()
         sampling = config.sampling
-        self.say(
-            f"model tiny {config.model.tiny} ({params / 1e6:.2f}M parameters, {config.model.dtype}, "
-            f"{config.model.device}, {threads} thread{'s' if threads > 1 else ''}); {split.describe()}"
-        )
+        self.describe_model(split)
         self.say(f"task {config.task.name}: {config.task.turns} turns, vocabulary {self.task.vocab_size}; "
                  f"{sampling.prompts_per_step} episodes x {sampling.leaves()} branches per step "
                  f"(branching {list(sampling.branching)}, temperature {sampling.temperature}); layout "
                  f"{self.layout.value}; {config.steps} steps; out {self.out}")  # fmt: skip
-        return state
-
-    def save(self) -> Path:
-        state = {"step": self.step, "layout": self.layout.value, "seed": self.config.seed,
-                 "wall_seconds": self.wall, "threads": torch.get_num_threads()}  # fmt: skip
-
-        def write(directory: Path) -> None:
-            with quiet_transformers():
-                self.model.save_pretrained(directory, safe_serialization=True)
-            torch.save({"optimizers": self.optim.state_dict()}, directory / TRAINER_STATE)
-            (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-            (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
-
-        path = write_checkpoint(self.root, self.step, write)
-        prune(self.root, self.config.checkpoint.keep_last)
-        return path
+        return start
 
     def sample(self, step: int) -> TreeSample:
         config = self.config
@@ -201,45 +150,64 @@ class _Run:
 
     def update(self, rollouts: list[Rollout]) -> tuple[StepResult, Forest, float, dict]:
         config = self.config
-        try:
+        with self.numbered():
             result, forest = rl_step(self.model, rollouts, config.objective, self.loss, self.run_config,
                                      self.layout)  # fmt: skip
-        except ValueError as exc:
-            raise type(exc)(f"step {self.step + 1}: {exc}") from None
-        clip = config.max_grad_norm if config.max_grad_norm else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optim.take_gradients(), clip))  # fp32 masters
-        if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
-            raise TrainingDiverged(f"step {self.step + 1}: loss {float(result.loss)}, gradient norm "
-                                   f"{grad_norm}: not finite; stopped before the update")  # fmt: skip
-        lrs = self.optim.lrs()
-        self.optim.step()
-        self.optim.zero_grad()
+        grad_norm, lrs = self.clip_and_step(result)
         return result, forest, grad_norm, lrs
 
+    def updates(self) -> Iterator[dict]:
+        while self.step < self.total:
+            began = time.perf_counter()
+            sample = self.sample(self.step + 1)
+            sampled = time.perf_counter()
+            result, forest, grad_norm, lrs = self.update(sample.rollouts)
+            ended = time.perf_counter()
+            self.step += 1
+            self.session += ended - began
+            self.wall += ended - began
+            record = self._record(sample, result, forest, grad_norm, lrs, sampled - began, ended - sampled)
+            self.rewards.append(record["reward"])
+            yield record
 
-def _record(run: _Run, sample: TreeSample, result: StepResult, forest: Forest, grad_norm: float,
-            lrs: dict, sample_s: float, train_s: float) -> dict:  # fmt: skip
-    rewards = sample.rewards
-    record = {"step": run.step, "layout": run.layout.value, "reward": float(rewards.mean()),
-              "reward_std": float(rewards.std(unbiased=False)), "loss": float(result.loss)}  # fmt: skip
-    record.update({k: float(v) for k, v in result.metrics.items() if k != "loss"})
-    computed = forest.num_tokens if run.layout is Layout.TREE else forest.num_flat_tokens
-    record.update(grad_norm=grad_norm, **lrs)
-    record.update(
-        rollouts=len(sample.rollouts),
-        tokens=forest.num_flat_tokens,
-        unique_tokens=forest.num_tokens,
-        computed_tokens=computed,
-        redundancy=forest.redundancy,
-        micro_batches=result.num_micro_batches,
-        sample_tokens=sample.model_tokens,
-        sample_seconds=sample_s,
-        train_seconds=train_s,
-        seconds=sample_s + train_s,
-        wall_seconds=run.wall,
-        computed_tokens_per_s=computed / train_s,
-    )
-    return record
+    def _record(self, sample: TreeSample, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
+                sample_s: float, train_s: float) -> dict:  # fmt: skip
+        rewards = sample.rewards
+        record = {"step": self.step, "layout": self.layout.value, "reward": float(rewards.mean()),
+                  "reward_std": float(rewards.std(unbiased=False)),
+                  **update_metrics(result, grad_norm, lrs)}  # fmt: skip
+        computed = forest.num_tokens if self.layout is Layout.TREE else forest.num_flat_tokens
+        record.update(
+            rollouts=len(sample.rollouts),
+            tokens=forest.num_flat_tokens,
+            unique_tokens=forest.num_tokens,
+            computed_tokens=computed,
+            redundancy=forest.redundancy,
+            micro_batches=result.num_micro_batches,
+            sample_tokens=sample.model_tokens,
+            sample_seconds=sample_s,
+            train_seconds=train_s,
+            seconds=sample_s + train_s,
+            wall_seconds=self.wall,
+            computed_tokens_per_s=computed / train_s,
+        )
+        return record
+
+    def checkpoint_state(self) -> dict:
+        return {"step": self.step, "layout": self.layout.value, "seed": self.config.seed,
+                "wall_seconds": self.wall, "threads": torch.get_num_threads()}  # fmt: skip
+
+    def trainer_state(self) -> dict:
+        return {"optimizers": self.optim.state_dict()}
+
+    def finish(self, last: Path | None, first: int) -> dict:
+        rewards, session = self.rewards, self.session
+        tail = rewards[-max(1, len(rewards) // 10) :] if rewards else [float("nan")]
+        head = rewards[0] if rewards else float("nan")
+        self.say(f"done: {self.step} steps, {session:.1f} s; reward {head:.3f} at the first step of this "
+                 f"session, {sum(tail) / len(tail):.3f} over its last {len(tail)}")  # fmt: skip
+        return {"steps": self.step, "checkpoint": str(last) if last else None, "resumed_from": first,
+                "seconds": session, "final_reward": sum(tail) / len(tail)}  # fmt: skip
 
 
 def run_rl(config: RLConfig, out: str | Path, resume: bool = False, log: TextIO | None = None) -> dict:
@@ -248,59 +216,4 @@ def run_rl(config: RLConfig, out: str | Path, resume: bool = False, log: TextIO 
     Raises ValueError for bad input, CheckpointError for a checkpoint that fails verification,
     :class:`TrainingDiverged` for a non-finite step.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    run = _Run(config, out, sys.stderr if log is None else log)
-    try:
-        with run_lock(out, "harts rl"):
-            return _loop(run, resume)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _loop(run: _Run, resume: bool) -> dict:
-    config = run.config
-    check_backends(config.logging.writers)  # a missing package refused before the model loads
-    run.setup(resume)
-    first = run.step
-    metrics = MetricsLog(run.out / "metrics.jsonl", run.step)
-    backends = open_backends(config.logging.writers, run.out, config.table)
-    last, session, rewards = None, 0.0, []
-    try:
-        while run.step < config.steps:
-            began = time.perf_counter()
-            sample = run.sample(run.step + 1)
-            sampled = time.perf_counter()
-            result, forest, grad_norm, lrs = run.update(sample.rollouts)
-            ended = time.perf_counter()
-            run.step += 1
-            session += ended - began
-            run.wall += ended - began
-            record = _record(run, sample, result, forest, grad_norm, lrs, sampled - began, ended - sampled)
-            rewards.append(record["reward"])
-            metrics.write(record)
-            for backend in backends:
-                backend.write(record)
-            done = run.step == config.steps
-            if done or run.step % config.logging.every == 0:
-                eta = session / (run.step - first) * (config.steps - run.step)
-                print(progress_line(record, config.steps, eta), file=run.log, flush=True)
-            every = config.checkpoint.every
-            if done or (every and run.step % every == 0):
-                last = run.save()
-                run.say(f"checkpoint {last}")
-    finally:
-        metrics.close()
-        for backend in backends:
-            backend.close()
-    if config.logging.plot:
-        run.say(plot_run(run.out / "metrics.jsonl", run.out / "metrics.png"))
-    tail = rewards[-max(1, len(rewards) // 10) :] if rewards else [float("nan")]
-    head = rewards[0] if rewards else float("nan")
-    run.say(f"done: {run.step} steps, {session:.1f} s; reward {head:.3f} at the first step of this session, "
-            f"{sum(tail) / len(tail):.3f} over its last {len(tail)}")  # fmt: skip
-    return {"steps": run.step, "checkpoint": str(last) if last else None, "resumed_from": first,
-            "seconds": session, "final_reward": sum(tail) / len(tail)}  # fmt: skip
+    return _RL.execute(config, out, resume, log)

@@ -1,8 +1,10 @@
-"""Pictures of ``harts rl`` runs: one run's curves, and tree against flat over several seeds.
+"""What ``harts rl`` reports: its progress line, the metrics its plot draws, and tree against flat
+over several seeds.
 
-``plot_run`` draws a run's ``metrics.jsonl`` (reward, loss, entropy, time per step);
-``compare_summary`` and ``plot_compare`` turn the curves of tree and flat runs of the same
-seeds into the numbers and the figure of ``docs/rl/``: the largest gap between the two layouts'
+``progress_line`` is the line of one step; ``PLOTTED`` the curves of a run's plot (reward, loss,
+entropy, time per step; :func:`harts.trainer.progress.write_plot` draws them);
+``compare_summary`` and ``plot_compare`` turn the curves of tree and flat runs of the same seeds
+into the numbers and the figure of ``docs/rl/``: the largest gap between the two layouts'
 reward curves of one seed, set beside the spread between seeds (the noise a curve has anyway),
 and the wall-clock time of each layout.
 
@@ -14,11 +16,28 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from harts.trainer.progress import read_metrics
+__all__ = ["progress_line", "PLOTTED", "compare_summary", "plot_compare"]
 
-__all__ = ["plot_run", "compare_summary", "plot_compare"]
+PLOTTED = ("reward", "loss", "entropy", "grad_norm", "redundancy", "seconds")
 
-_PLOTTED = ("reward", "loss", "entropy", "grad_norm", "redundancy", "seconds")
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def progress_line(record: dict, total: int, eta: float) -> str:
+    """``step 4/150 | reward 0.312 | loss -0.0123 | gnorm 0.51 | tree: 523 tokens for 8,400 flat ...``."""
+    return " | ".join([
+        f"step {record['step']}/{total}",
+        f"reward {record['reward']:.3f}",
+        f"loss {record['loss']:.4f}",
+        f"gnorm {record['grad_norm']:.3g}",
+        f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat "
+        f"(shared {record['redundancy']:.1f}x)",
+        f"sample {record['sample_seconds']:.2f} s train {record['train_seconds']:.2f} s",
+        f"eta {_duration(eta)}",
+    ])  # fmt: skip
 
 
 def _pyplot():
@@ -30,29 +49,6 @@ def _pyplot():
     except ImportError:
         return None
     return plt
-
-
-def plot_run(metrics: Path, out: Path) -> str:
-    """A PNG of a run's reward and main metrics against the step; returns a line saying what it did."""
-    plt = _pyplot()
-    if plt is None:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
-    records = read_metrics(metrics)
-    keys = [k for k in _PLOTTED if any(isinstance(r.get(k), (int, float)) for r in records)]
-    if not records or not keys:
-        return "no plot: no metrics"
-    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6), squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in points], [p[1] for p in points])
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return f"plot: {out}"
 
 
 def _mean(values: list[float]) -> float:

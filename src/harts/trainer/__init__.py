@@ -9,6 +9,8 @@ optimizers and schedules, the loop, checkpoints that survive a kill, progress an
 - ``checkpoint``: atomic checkpoint directories with a manifest, verified before loading;
 - ``progress``: the progress line, ``metrics.jsonl``, the plot; ``logging_backends``: TensorBoard, wandb;
 - ``lora``: LoRA adapters (peft); ``sections``: the ``[lora]``, ``[eval]``, ``[samples]`` config sections;
+- ``run``: the run skeleton ``harts train`` and ``harts rl`` share (set-up, resume, save, clip-and-step,
+  metrics, progress, plot);
 - ``loop``: ``train(config, out, resume)``; ``command``: the ``harts train`` command line.
 
 Guide and config reference: ``docs/training.md``.

@@ -465,7 +465,7 @@ def _convert(key: str, value, hint):
     raise TypeError(f"{key}: no converter for {hint}")  # pragma: no cover - a field type without one
 
 
-def _build(cls, table: dict, section: str, base: Path):
+def build_section(cls, table: dict, section: str, base: Path):
     """``cls`` from one TOML table: unknown keys refused (listing the valid ones), types checked."""
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)
@@ -500,11 +500,11 @@ def parse_config(table: dict, base: Path, source: Path | None = None, text: str 
             continue
         if not isinstance(table[name], dict):
             raise ValueError(f"{name}: expected a [{name}] section, got {_describe(table[name])}")
-        sections[name] = _build(cls, table[name], name, base)
+        sections[name] = build_section(cls, table[name], name, base)
     for name in ("model", "data"):
         if name not in sections:
             raise ValueError(f"[{name}]: required section missing")
-    scalars = _build(_TopLevel, top, "", base)
+    scalars = build_section(_TopLevel, top, "", base)
     return TrainConfig(**sections, **dataclasses.asdict(scalars), source=source, text=text, table=table)
 
 

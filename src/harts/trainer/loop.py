@@ -10,7 +10,10 @@ log-probs are computed first; with ``[ppo]`` its advantages and old log-probs ar
 of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
 groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates.
 Checkpoints every ``checkpoint.every`` steps and at the end (:mod:`harts.trainer.checkpoint`);
-metrics of every step in ``OUT/metrics.jsonl``.
+metrics of every step in ``OUT/metrics.jsonl``. What every run does alike (set-up, resume, save,
+clip-and-step, metrics, progress, plot) is the run skeleton's (:class:`harts.trainer.run.Run`);
+this module adds the rollout file, the reference and old log-prob passes, eval, samples, LoRA and
+torchrun's ranks.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -20,14 +23,12 @@ same machine with the same ``threads`` (floating-point reductions depend on the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.metadata
-import json
-import math
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -38,7 +39,7 @@ from harts.adapters.base import MoEBalancing
 from harts.forest import Forest
 from harts.objectives.advantages import estimate_advantages
 from harts.objectives.losses import LossKind, PolicyLossConfig, normalizers_for
-from harts.objectives.moe import MoEConfig, bias_update
+from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
@@ -46,16 +47,12 @@ from harts.runtime.routers import find_routers
 from harts.runtime.step import StepResult
 from harts.train.moe import resolve_aux_coef
 from harts.train.step import forest_step, step_inputs
-from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
+from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.distributed import (
-    STATE_DIR,
-    RankFailure,
     Ranks,
     full_model_state,
-    load_state,
     local_rollouts,
-    plain_class,
     rank_cost,
     save_state,
     start_ranks,
@@ -71,27 +68,19 @@ from harts.trainer.inputs import (
     fingerprint,
     load_model,
     model_vocab_size,
-    quiet_transformers,
     rng_state,
     seed_everything,
     set_rng_state,
 )
-from harts.trainer.logging_backends import check_backends, open_backends
+from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
-from harts.trainer.optim import build_optimizers, freeze_routers
+from harts.trainer.optim import freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
-from harts.trainer.progress import MetricsLog, progress_line, write_plot
+from harts.trainer.progress import MetricsLog
+from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
-
-TRAINER_STATE = "trainer_state.pt"
-STATE = "state.json"
-CONFIG = "config.toml"
-
-
-class TrainingDiverged(ArithmeticError):
-    """A step's loss or gradient norm is not finite; the run stops before applying it."""
 
 
 def train_step(
@@ -117,41 +106,15 @@ def train_step(
     except ValueError as exc:
         error = str(exc)
     if ranks is not None:
-        error = _collective(ranks.agree, error)
+        error = collective(ranks.agree, error)
     if error is not None:
         raise ValueError(error)
     forest, rows, local_forest, local_rows = prepared
     reduce = None if ranks is None else all_reduce_sum
-    normalizers = _collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
-    result = _collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
-                         moe=moe)  # fmt: skip
+    normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
+    result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
+                        moe=moe)  # fmt: skip
     return result, forest
-
-
-def _collective(fn, *args, **kwargs):
-    """``fn`` whose collectives a failed rank breaks: a RankFailure saying so, not a backend trace."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (or DistError, a subclass)
-        if not _collective_failure(exc):
-            raise
-        raise RankFailure(
-            f"rank {torch.distributed.get_rank()}: a collective with the other ranks failed (a rank died, "
-            f"stopped on an error, or did not answer within distributed.timeout_s): "
-            f"{str(exc).splitlines()[0]}"
-        ) from None
-
-
-_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "timed out", "timeout", "socket", "peer")
-
-
-def _collective_failure(exc: BaseException) -> bool:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in _COLLECTIVE_WORDS)
 
 
 def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig, ranks: Ranks | None):
@@ -172,37 +135,9 @@ def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig
     return (forest, rows, *step_inputs(model, local))
 
 
-def _check_param_names(saved: dict, now: dict) -> None:
-    """Refuse a checkpoint whose optimizers trained other parameters than this run's would."""
-    if set(saved) != set(now):
-        raise ValueError(f"the checkpoint's optimizers are {sorted(saved)}, the config's {sorted(now)}: "
-                         f"resume with the optimizer.kind the run started with")  # fmt: skip
-    for name, names in now.items():
-        if list(saved[name]) != names:
-            differ = sorted(set(saved[name]) ^ set(names))[:3]
-            raise ValueError(
-                f"the checkpoint's {name} state does not fit this run's parameters (they differ in "
-                f"{', '.join(differ) or 'order'}); resume with the model, optimizer.kind and "
-                f"optimizer.freeze_router the run started with"
-            )
-
-
-def _clip(params, clip: float) -> float:
-    """Clip to ``clip``; the total norm (over every rank's shard under FSDP2)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    if type(norm).__name__ == "DTensor":
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
             seconds: float, rollouts: int) -> dict:  # fmt: skip
-    record = {"step": step, "epoch": epoch, "loss": float(result.loss)}
-    record.update({k: float(v) for k, v in result.metrics.items() if k != "loss"})
-    if result.moe is not None:
-        counts = result.moe.expert_counts.double()
-        record["moe_max_load"] = float((counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).mean())
-    record.update(grad_norm=grad_norm, **lrs)
+    record = {"step": step, "epoch": epoch, **update_metrics(result, grad_norm, lrs)}
     record.update(
         rollouts=rollouts,
         unique_tokens=forest.num_tokens,
@@ -237,25 +172,30 @@ def _flatten(table: dict, prefix: str = "") -> dict:
     return out
 
 
-class _Run:
-    """The state of one ``train`` call (model, optimizers, position), with its save and restore."""
+class _Train(Run):
+    """One ``train`` call on the run skeleton: the rollout file, the reference and old log-prob
+    passes (``[reference]``, ``[ppo]``), eval and samples, LoRA, MoE balancing, torchrun's ranks."""
+
+    command = "harts train"
 
     def __init__(self, config: TrainConfig, out: Path, log: TextIO, accept_changed_data: bool = False):
-        self.config, self.out, self.log = config, out, log
-        self.accept_changed_data, self.data_changed = accept_changed_data, False
-        self.root = out / "checkpoints"
-        self.current: StepUpdates | None = None  # the step of rollouts whose updates are running
         d = config.distributed
-        self.ranks = start_ranks(d.strategy, d.balance, d.timeout_s, config.model.device)
-
-    def say(self, line: str) -> None:
-        if self.main:
-            print(f"harts train: {line}", file=self.log, flush=True)
+        ranks = start_ranks(d.strategy, d.balance, d.timeout_s, config.model.device)
+        super().__init__(config, out, log, ranks)
+        self.accept_changed_data, self.data_changed = accept_changed_data, False
+        self.current: StepUpdates | None = None  # the step of rollouts whose updates are running
 
     @property
-    def main(self) -> bool:
-        """Whether this process writes the logs and publishes checkpoints (rank 0, or the only one)."""
-        return self.ranks is None or self.ranks.main
+    def step(self) -> int:
+        return self.position.step
+
+    def run(self, resume: bool) -> dict:
+        start = self.setup(resume)
+        step = self.position.step
+        if start is not None and step == self.total:
+            self.say(f"nothing to do: {start.path} is the final step")
+            return {"steps": step, "checkpoint": str(start.path), "resumed_from": step}
+        return self.loop(start)
 
     def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
@@ -277,16 +217,7 @@ class _Run:
         self.total = (config.steps or (config.epochs or 1) * self.steps_per_epoch) * config.updates_per_step
         self.data_print = {**fingerprint(config.data.path), "rollouts": rollouts_per_epoch,
                            "steps_per_epoch": self.steps_per_epoch}  # fmt: skip
-        start = None
-        if resume:
-            start = latest(self.root)  # verified before anything of it is read
-            if start is None:
-                self.say(f"no checkpoint in {self.root}: starting from step 0")
-        elif list_checkpoints(self.root):
-            newest = list_checkpoints(self.root)[-1].path.name
-            raise ValueError(f"{self.out} already holds checkpoints ({newest}): pass --resume to continue "
-                             f"from the newest, or choose another --out")  # fmt: skip
-        state = json.loads((start.path / STATE).read_text()) if start else None
+        start, state = self.resume_point(resume)
         if state is not None:
             self._check_resume(start, state)
         check_backends(config.logging.writers)  # a missing package refused before the model loads
@@ -319,13 +250,10 @@ class _Run:
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
-        self.optim, split = build_optimizers(self.model, config.optimizer, config.schedule, self.total)
-        # which parameter each optimizer trains, by name: a resume must find the same
-        names = {"adamw": [n for n, _ in split.decay + split.no_decay], "muon": [n for n, _ in split.muon]}
-        self.param_names = {k: v for k, v in names.items() if v}
+        split = self.build_optimizers(self.total)
         self.loss_config = config.objective.loss_config()
         self.run_config = config.run.run_config()
-        self.moe, self.routers = None, []
+        self.moe = None
         if config.moe.enabled:
             self.moe = MoEConfig(aux_loss_coef=config.moe.aux_loss_coef)
             try:
@@ -339,15 +267,7 @@ class _Run:
                 self.routers = [router for _, router in find_routers(self.model)]
         self.position = Position()
         if start is not None:
-            trainer = torch.load(start.path / TRAINER_STATE, weights_only=True)
-            self.optim.check_masters(trainer.get("master_weights", False))
-            if (start.path / STATE_DIR).is_dir():  # any world size: resharded to this run's ranks
-                _check_param_names(trainer.get("params", {}), self.param_names)
-                load_state(start.path, self.wrapped, self.optim)
-                self.optim.own_memory()
-                self.optim.load_scheduler_state(trainer["schedulers"])
-            else:
-                self.optim.load_state_dict(trainer["optimizers"])
+            trainer = self.restore_optimizers(start)
             set_rng_state(trainer["rng"])
             self.position = Position(**state["position"])
             self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
@@ -359,15 +279,10 @@ class _Run:
             if self.data_changed and self.position.fit(self.steps_per_epoch):
                 self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
                          f"start of epoch {self.position.epoch}")  # fmt: skip
-        params = sum(p.numel() for p in self.model.parameters())
-        name = f"tiny {config.model.tiny}" if config.model.tiny else str(config.model.path)
-        threads = torch.get_num_threads()
         if self.ranks is not None:
             self.say(f"{self.ranks.world_size} ranks ({self.ranks.strategy}, trees balanced by "
                      f"{self.ranks.balance}, {torch.distributed.get_backend()})")  # fmt: skip
-        self.say(f"model {name} ({params / 1e6:.2f}M parameters, {config.model.dtype}, "
-                 f"{config.model.device}, {threads} thread{'s' if threads > 1 else ''}); {split.describe()}"
-                 f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
+        self.describe_model(split, frozen)
         steps = (f"{self.total // config.updates_per_step} steps, {self.total} optimizer updates"
                  if config.ppo is not None else f"{self.total} steps")  # fmt: skip
         self.say(f"data {config.data.path.name}: {rollouts_per_epoch} rollouts, {self.steps_per_epoch} "
@@ -388,15 +303,6 @@ class _Run:
         if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
             self.say(f"warning: {fields}")
         return start
-
-    def prepare(self, rollouts: list[Rollout]) -> StepUpdates:
-        """The step of rollouts at the run's position, ready for its updates (reference and old
-        log-probs, advantages); between two of its updates (a resume) with the saved old log-probs."""
-        saved, self.saved_old = self.saved_old, None
-        try:
-            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved)
-        except ValueError as exc:
-            raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
 
     def _check_resume(self, start: Checkpoint, state: dict) -> None:
         change = data_change(state["data"], self.data_print, start.path.name, self.config.data.path,
@@ -432,10 +338,66 @@ class _Run:
                      f"resumed run follows the new one")  # fmt: skip
         self.say(f"resuming from {start.path} (step {state['position']['step']})")
 
-    def save(self) -> Path:
+    def prepare(self, rollouts: list[Rollout]) -> StepUpdates:
+        """The step of rollouts at the run's position, ready for its updates (reference and old
+        log-probs, advantages); between two of its updates (a resume) with the saved old log-probs."""
+        saved, self.saved_old = self.saved_old, None
+        with self.numbered():
+            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved)
+
+    def update(self, rollouts: list[Rollout], objective: ObjectiveConfig
+               ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
+        with self.numbered():
+            result, forest = train_step(self.wrapped, rollouts, objective, self.loss_config,
+                                        self.run_config, self.moe, self.ranks)  # fmt: skip
+        grad_norm, lrs = self.clip_and_step(result)
+        return result, forest, grad_norm, lrs
+
+    def updates(self) -> Iterator[dict]:
         position = self.position
+        samples = MetricsLog(self.out / SAMPLES, position.step) if self.main and self.samples else None
+        stream = data_stream(self.config.data, position.epoch, position.index)
+        try:
+            while position.step < self.total:
+                yield from self._updates_of(*next(stream), samples)
+        finally:
+            if samples is not None:
+                samples.close()
+
+    def _updates_of(self, epoch: int, index: int, rollouts: list[Rollout], samples: MetricsLog | None
+                    ) -> Iterator[dict]:  # fmt: skip
+        """The updates of one step of rollouts (``ppo.epochs`` x ``ppo.mini_batches`` with ``[ppo]``,
+        else one), from the run's position in it, each with its eval and samples when due."""
+        config, position = self.config, self.position
+        self.current = step = self.prepare(rollouts)
+        passes = step.seconds
+        self.session += passes
+        for update in step.updates(config.seed, epoch, index, (position.ppo_epoch, position.mini_batch)):
+            if position.step == self.total:
+                return
+            began = time.perf_counter()
+            result, forest, grad_norm, lrs = self.update(update.rollouts, step.objective)
+            seconds = time.perf_counter() - began
+            self.session += seconds
+            position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
+                             self.steps_per_epoch, config.ppo)  # fmt: skip
+            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
+                             len(update.rollouts))  # fmt: skip
+            if config.ppo is not None:
+                record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
+            if config.ppo is not None or config.reference is not None:
+                record["passes_seconds"] = passes  # before the step's first update, once
+                passes = 0.0
+            if self.evaluation is not None and self.evaluation.due(position.step, self.total):
+                record.update(self.evaluation(self.model, self.reference))
+            if samples is not None and self.samples.due(position.step, self.total):
+                for line in self.samples(self.model, position.step):
+                    samples.write(line)
+            yield record
+
+    def checkpoint_state(self) -> dict:
         state = {
-            "position": position.to_dict(),
+            "position": self.position.to_dict(),
             "total_steps": self.total,
             "threads": torch.get_num_threads(),
             "data": {"path": str(self.config.data.path), **self.data_print},
@@ -445,59 +407,43 @@ class _Run:
             state["reference"] = {"model": self.config.reference.model, "sha256": self.reference_sha256}
         if self.base_sha256 is not None:
             state["lora"] = {"base_sha256": self.base_sha256}
-
         if self.ranks is not None:
             state["world_size"] = self.ranks.world_size
+        return state
 
-        def write(directory: Path) -> None:
-            save_state(directory, self.wrapped, self.optim)  # every rank: its shard of the state
-            whole = full_model_state(self.wrapped, self.ranks)
-            if not self.main:
-                return
-            if self.config.lora is not None:
-                save_adapter(self.model, directory, self.config.lora)
-            else:
-                with quiet_transformers(), plain_class(self.model):
-                    self.model.save_pretrained(directory, safe_serialization=True, state_dict=whole)
-            trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(),
-                       "params": self.param_names,
-                       "master_weights": self.optim.masters is not None}  # fmt: skip
-            if position.within_step and self.current is not None and self.current.old is not None:
-                trainer["old_logprobs"] = self.current.old  # the weights that computed them are gone
-            torch.save(trainer, directory / TRAINER_STATE)
-            (directory / STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-            (directory / CONFIG).write_text(self.config.text, encoding="utf-8")
+    def write_weights(self, directory: Path) -> None:
+        save_state(directory, self.wrapped, self.optim)  # every rank: its shard of the state
+        whole = full_model_state(self.wrapped, self.ranks)
+        if not self.main:
+            return
+        if self.config.lora is not None:
+            save_adapter(self.model, directory, self.config.lora)
+        else:
+            self.write_model(directory, whole)
 
-        barrier = self.ranks.barrier if self.ranks is not None else None
-        path = _collective(write_checkpoint, self.root, position.step, write, main=self.main, barrier=barrier)
-        if self.main:
-            prune(self.root, self.config.checkpoint.keep_last)
-        return path
+    def trainer_state(self) -> dict:
+        trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(), "params": self.param_names,
+                   "master_weights": self.optim.masters is not None}  # fmt: skip
+        if self.position.within_step and self.current is not None and self.current.old is not None:
+            trainer["old_logprobs"] = self.current.old  # the weights that computed them are gone
+        return trainer
 
-    def step(self, rollouts: list[Rollout], objective: ObjectiveConfig
-             ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
-        config, optim = self.config, self.optim
-        try:
-            result, forest = train_step(self.wrapped, rollouts, objective, self.loss_config,
-                                        self.run_config, self.moe, self.ranks)  # fmt: skip
-        except ValueError as exc:
-            raise type(exc)(f"step {self.position.step + 1}: {exc}") from None
-        clip = config.max_grad_norm if config.max_grad_norm else math.inf
-        grad_norm = _collective(_clip, optim.take_gradients(), clip)  # fp32 with master weights
-        if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
-            raise TrainingDiverged(
-                f"step {self.position.step + 1}: loss {float(result.loss)}, gradient norm {grad_norm}: not "
-                f"finite; stopped before the update (the last checkpoint is kept)"
-            )
-        lrs = optim.lrs()  # the rates this step uses
-        optim.step()
-        if self.routers:
-            delta = bias_update(result.moe.expert_counts, self.config.moe.bias_update_speed)
-            with torch.no_grad():
-                for router, d in zip(self.routers, delta, strict=True):
-                    router.e_score_correction_bias.add_(d.to(router.e_score_correction_bias))
-        optim.zero_grad()
-        return result, forest, grad_norm, lrs
+    def interrupted(self) -> None:
+        done = list_checkpoints(self.root)  # published whole or not at all: the newest is complete
+        where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
+        self.say(f"interrupted at step {self.position.step}; {where} (continue with --resume)")
+
+    def finish(self, last: Path | None, first: int) -> dict:
+        config, position, session = self.config, self.position, self.session
+        redundancy = position.flat_tokens / max(position.unique_tokens, 1)
+        unit = "optimizer updates" if config.ppo is not None else "steps"
+        loads = ("AutoModelForCausalLM.from_pretrained loads it" if config.lora is None else
+                 "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
+        self.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
+                 f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
+                 f"({loads})")  # fmt: skip
+        return {"steps": position.step, "checkpoint": str(last), "resumed_from": first, "seconds": session,
+                "unique_tokens": position.unique_tokens, "flat_tokens": position.flat_tokens}  # fmt: skip
 
 
 def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextIO | None = None,
@@ -511,93 +457,4 @@ def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextI
     for a checkpoint that fails verification, :class:`TrainingDiverged` for a non-finite step;
     a KeyboardInterrupt leaves the last complete checkpoint as it is and propagates.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    run = _Run(config, out, sys.stderr if log is None else log, accept_changed_data)
-    try:
-        with run_lock(out, "harts train") if run.main else contextlib.nullcontext():
-            return _loop(run, resume)
-    finally:
-        torch.set_num_threads(threads)
-        if run.ranks is not None and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _loop(run: _Run, resume: bool) -> dict:
-    config = run.config
-    start = run.setup(resume)
-    position = run.position
-    if start is not None and position.step == run.total:
-        run.say(f"nothing to do: {start.path} is the final step")
-        return {"steps": position.step, "checkpoint": str(start.path), "resumed_from": position.step}
-    resumed_from = position.step
-    metrics = MetricsLog(run.out / "metrics.jsonl", position.step) if run.main else None
-    samples = MetricsLog(run.out / SAMPLES, position.step) if run.main and run.samples else None
-    backends = open_backends(config.logging.writers, run.out, config.table) if run.main else []
-    last = start.path if start else None
-    session = 0.0
-    stream = data_stream(config.data, position.epoch, position.index)
-    try:
-        while position.step < run.total:
-            epoch, index, rollouts = next(stream)
-            run.current = step = run.prepare(rollouts)
-            passes = step.seconds
-            session += passes
-            for update in step.updates(config.seed, epoch, index, (position.ppo_epoch, position.mini_batch)):
-                if position.step == run.total:
-                    break
-                began = time.perf_counter()
-                result, forest, grad_norm, lrs = run.step(update.rollouts, step.objective)
-                seconds = time.perf_counter() - began
-                session += seconds
-                position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
-                                 run.steps_per_epoch, config.ppo)  # fmt: skip
-                record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
-                                 len(update.rollouts))  # fmt: skip
-                if config.ppo is not None:
-                    record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
-                if config.ppo is not None or config.reference is not None:
-                    record["passes_seconds"] = passes  # before the step's first update, once
-                    passes = 0.0
-                if run.evaluation is not None and run.evaluation.due(position.step, run.total):
-                    record.update(run.evaluation(run.model, run.reference))
-                if metrics is not None:
-                    metrics.write(record)
-                if samples is not None and run.samples.due(position.step, run.total):
-                    for line in run.samples(run.model, position.step):
-                        samples.write(line)
-                for backend in backends:
-                    backend.write(record)
-                every = config.checkpoint.every
-                done = position.step == run.total
-                if run.main and config.logging.every and (position.step % config.logging.every == 0 or done):
-                    eta = session / (position.step - resumed_from) * (run.total - position.step)
-                    print(progress_line(record, run.total, eta), file=run.log, flush=True)
-                if done or (every and position.step % every == 0):
-                    last = run.save()
-                    run.say(f"checkpoint {last}")
-    except KeyboardInterrupt:
-        done = list_checkpoints(run.root)  # published whole or not at all: the newest is complete
-        where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
-        run.say(f"interrupted at step {position.step}; {where} (continue with --resume)")
-        raise
-    finally:
-        for log in (metrics, samples):
-            if log is not None:
-                log.close()
-        for backend in backends:
-            backend.close()
-    if config.logging.plot and run.main:
-        run.say(write_plot(run.out / "metrics.jsonl", run.out / "metrics.png"))
-    redundancy = position.flat_tokens / max(position.unique_tokens, 1)
-    unit = "optimizer updates" if config.ppo is not None else "steps"
-    loads = ("AutoModelForCausalLM.from_pretrained loads it" if config.lora is None else
-             "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
-    run.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
-            f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
-            f"({loads})")  # fmt: skip
-    return {"steps": position.step, "checkpoint": str(last), "resumed_from": resumed_from, "seconds": session,
-            "unique_tokens": position.unique_tokens, "flat_tokens": position.flat_tokens}  # fmt: skip
+    return _Train.execute(config, out, resume, log, accept_changed_data=accept_changed_data)

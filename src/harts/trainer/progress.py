@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["MetricsLog", "progress_line", "write_plot", "read_metrics"]
+__all__ = ["MetricsLog", "progress_line", "write_plot", "read_metrics", "PLOTTED"]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -76,12 +76,13 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
     return " | ".join(parts)
 
 
-_PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "redundancy",
+PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "redundancy",
             "unique_tokens_per_s")  # fmt: skip
 
 
-def write_plot(metrics: Path, out: Path) -> str:
-    """A PNG of the loss and the main metrics against the step; returns a line saying what it did."""
+def write_plot(metrics: Path, out: Path, keys: tuple[str, ...] = PLOTTED, markers: bool = True) -> str:
+    """A PNG of the run's main metrics (``keys``: those the records have, three to a row) against the
+    step, a marker on each point of a short curve with ``markers``; returns a line saying what it did."""
     try:
         import matplotlib
 
@@ -90,7 +91,7 @@ def write_plot(metrics: Path, out: Path) -> str:
     except ImportError:
         return "no plot: matplotlib is not installed (pip install matplotlib)"
     records = read_metrics(metrics)
-    keys = [k for k in _PLOTTED if any(isinstance(r.get(k), (int, float)) for r in records)]
+    keys = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in records)]
     if not records or not keys:
         return "no plot: no metrics"
     cols = 3
@@ -98,7 +99,8 @@ def write_plot(metrics: Path, out: Path) -> str:
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        marker = "." if markers and len(points) < 50 else None
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker)
         ax.set_title(key)
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys) :]:
