@@ -85,6 +85,12 @@ def test_a_run_equals_the_loop_written_by_hand(short_run):
     assert json.loads((final / MANIFEST).read_text())["step"] == 3
 
 
+def test_the_run_names_the_kernels_it_chose(tmp_path, capsys):
+    config = write_config(tmp_path / "run.toml", {"steps": 1}, run={"backend": "torch"})
+    assert run_train(config, tmp_path / "out") == 0
+    assert "kernels: torch backend (configured)" in capsys.readouterr().err
+
+
 def test_a_second_run_into_the_same_directory_is_refused(short_run, capsys):
     config, out = short_run
     assert run_train(config, out) == 2

@@ -183,7 +183,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     cfg = cfg.resolved()
     torch.set_num_threads(cfg.threads)
     backend, why = resolve_backend(cfg.run.backend, torch.device(cfg.device))
-    log(f"backend: {backend} ({why})")
+    log(f"kernels: {backend} backend ({why})")
     rows = []
     for family in cfg.families:
         for shape in cfg.shapes:

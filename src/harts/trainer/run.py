@@ -31,6 +31,8 @@ from typing import TextIO
 import torch
 
 from harts.objectives.moe import bias_update
+from harts.ops.backends import resolve_backend
+from harts.runtime.executor import model_device
 from harts.runtime.step import StepResult
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.distributed import STATE_DIR, RankFailure, Ranks, load_state, plain_class
@@ -239,6 +241,8 @@ class Run:
         self.say(f"model {name} ({params / 1e6:.2f}M parameters, {model.dtype}, {model.device}, {threads} "
                  f"thread{'s' if threads > 1 else ''}); {split.describe()}"
                  f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
+        backend, why = resolve_backend(self.config.run.backend, model_device(self.model))
+        self.say(f"kernels: {backend} backend ({why})")
 
     @contextlib.contextmanager
     def numbered(self):
