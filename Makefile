@@ -14,8 +14,12 @@ KERNELS := .venv-kernels
 # verl pins transformers to 5.10.x and pulls its own stack: its integration tests get a venv of their own.
 VERL := .venv-verl
 VERL_PIN := verl==0.9.1
+# `make gpu-check` on a machine with a CUDA GPU: torch's default (CUDA) build and the `gpu` extra in their
+# own venv. GPU_PYTHON=python3 runs the check with that interpreter's packages instead (no install).
+GPU := .venv-gpu
+GPU_TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-newest test-oldest test-kernels test-verl lint bench clean
+.PHONY: demo test test-newest test-oldest test-kernels test-verl gpu-check lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +51,14 @@ $(VERL)/.installed: pyproject.toml
 	$(VERL)/bin/python -m pip install -q -e ".[dev]" $(VERL_PIN) $(TORCH_PIN)
 	touch $@
 
+$(GPU)/.installed: pyproject.toml
+	test -x $(GPU)/bin/python || $(PYTHON) -m venv $(GPU)
+	echo '*' > $(GPU)/.gitignore
+	$(GPU)/bin/python -m pip install -q --upgrade pip
+	$(GPU)/bin/python -m pip install -q $(GPU_TORCH_PIN)
+	$(GPU)/bin/python -m pip install -q -e ".[dev,gpu]" $(GPU_TORCH_PIN)
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) -m harts.demo
 
@@ -69,6 +81,17 @@ test-verl: $(VERL)/.installed
 	$(VERL)/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations_verl.py tests/test_integrations_verl_sharded.py \
 		tests/test_integrations_trl.py tests/test_integrations_batch.py
 
+# every CUDA check (tests, kernels on the device, harts bench with fla and with plain PyTorch) in one
+# command within 8 minutes; without a CUDA device it says so, runs the backend's CPU tests and exits 0
+gpu-check:
+	@if [ -n "$(GPU_PYTHON)" ]; then \
+		PYTHONPATH=src $(GPU_PYTHON) -m harts.bench.gpu_check $(ARGS); \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+		$(MAKE) $(GPU)/.installed && $(GPU)/bin/python -m harts.bench.gpu_check $(ARGS); \
+	else \
+		$(MAKE) $(VENV)/.installed && $(PY) -m harts.bench.gpu_check $(ARGS); \
+	fi
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tests_kernels benchmarks examples
 
@@ -77,4 +100,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/harts bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(KERNELS) $(VERL) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST) $(KERNELS) $(VERL) $(GPU) build src/*.egg-info .pytest_cache

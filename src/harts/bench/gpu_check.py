@@ -1,0 +1,114 @@
+"""``make gpu-check``: what harts checks on one CUDA GPU, in one command, within a time limit.
+
+Stages, each a child process given the time left (the whole check stops at ``--time-limit``
+seconds, 480 by default):
+
+1. ``tests``: every test that needs a CUDA device: the ``gpu``-marked tests of ``tests/`` (the
+   ``fla`` backend's model-level forward and backward against the stock fp64 reference, and the
+   fp32 / bf16 precision comparison with stock) and ``tests_kernels/`` on the device (fla's delta
+   rule against the fp64 references with per-segment initial states and inner states, FlexAttention
+   tree attention against the dense mask, a tiny model's tree forward under ``fla``);
+2. ``bench-fla`` and ``bench-torch``: ``harts bench --device cuda`` on the small configs of the
+   default hybrid families, shapes ``agentic`` and ``paper_like``, once with the ``fla`` backend and
+   once with plain PyTorch; each reports the tree step against the flat layout at its best budget.
+
+It writes ``gpu-check.json`` (every stage's status, seconds and output tail, and both benches'
+rows) and ``gpu-check.md`` (one table) into ``--out``. Without a CUDA device it says so, runs the
+CPU side of the backend seam (selection and refusal tests) and exits 0. The exit status is 1 when
+a stage that ran failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "table"]
+
+BENCH_ARGS = ["--shapes", "agentic", "paper_like", "--model-size", "small", "--repeats", "3",
+              "--no-memory", "--no-peers", "--scale", "0.05"]  # fmt: skip
+CPU_TESTS = ["tests/test_backend_selection.py", "tests/test_gpu_backend.py"]
+
+
+def _stage(name: str, cmd: list[str], deadline: float, env: dict | None = None) -> dict:
+    left = deadline - time.monotonic()
+    if left < 20:
+        return dict(name=name, status="not run (time limit)", seconds=0.0, command=" ".join(cmd))
+    start = time.monotonic()
+    print(f"[gpu-check] {name}: {' '.join(cmd)}", flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left,
+                              env={**os.environ, **(env or {})})  # fmt: skip
+        status = "passed" if proc.returncode == 0 else f"failed (status {proc.returncode})"
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        status, output = "stopped (time limit)", f"{exc.stdout or ''}{exc.stderr or ''}"
+    seconds = time.monotonic() - start
+    print(f"[gpu-check] {name}: {status} in {seconds:.0f} s", flush=True)
+    return dict(name=name, status=status, seconds=seconds, command=" ".join(cmd), output_tail=output[-4000:])
+
+
+def _bench_rows(out: Path) -> list[dict]:
+    path = out / "results.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def table(results: dict) -> str:
+    """The check as markdown: the stages, then tree against flat per backend, family and shape."""
+    lines = [f"GPU check on {results['device']} (torch {results['torch']})", "",
+             "| stage | status | seconds |", "|---|---|---:|"]  # fmt: skip
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.0f} |" for s in results["stages"]]
+    rows = [(backend, r) for backend, rs in results["bench"].items() for r in rs]
+    if rows:
+        head = "| backend | family | shape | R | FLOP-ideal | tree / best flat | share of ideal | flat best |"
+        lines += ["", head, "|---|---|---|---:|---:|---:|---:|---|"]
+        lines += [
+            f"| {b} | {r['family']} | {r['shape']} | {r['redundancy']:.2f} | {r['ideal_speedup']:.2f} | "
+            f"{r['achieved_speedup']:.2f} | {r['fraction_of_ideal']:.0%} | {r['flat_best']} |"
+            for b, r in rows
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harts.bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu-check", help="folder for gpu-check.json and gpu-check.md")
+    p.add_argument("--time-limit", type=float, default=480.0, help="seconds for the whole check")
+    a = p.parse_args(argv)
+    deadline = time.monotonic() + a.time_limit
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else "no CUDA device"
+    results = dict(device=device, torch=torch.__version__, stages=[], bench={})
+    if not cuda:
+        print("[gpu-check] no CUDA device here: GPU stages skipped; running the backend seam's CPU tests")
+        results["stages"].append(_stage("cpu-tests", [*pytest, *CPU_TESTS], deadline))
+    else:
+        results["stages"].append(_stage("tests", [*pytest, "-m", "gpu", "tests"], deadline))
+        results["stages"].append(_stage("tests-kernels", [*pytest, "tests_kernels"], deadline))
+        for backend in ("fla", "torch"):
+            bench_out = out / f"bench-{backend}"
+            cmd = [py, "-m", "harts.bench.run", "--device", "cuda", "--backend", backend,
+                   "--out", str(bench_out), *BENCH_ARGS]  # fmt: skip
+            results["stages"].append(_stage(f"bench-{backend}", cmd, deadline))
+            results["bench"][backend] = _bench_rows(bench_out)
+    (out / "gpu-check.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu-check.md").write_text(table(results))
+    print(table(results))
+    print(f"[gpu-check] wrote {out / 'gpu-check.json'} and {out / 'gpu-check.md'}")
+    failed = [s["name"] for s in results["stages"] if s["status"].startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
