@@ -78,8 +78,8 @@ def _expert_weights(experts: nn.Module) -> tuple[int, int]:
     return total // num, num
 
 
-# Layer types without keys or states: a short convolution (lfm2), or an MLP / MoE block standing
-# as a layer of its own (nemotron_h).
+# Layer types without keys or states: a short convolution, or an MLP / MoE block standing as a
+# layer of its own.
 TOKEN_WISE_LAYERS = ("conv", "mlp", "moe")
 
 
@@ -149,9 +149,9 @@ def flop_model(model: nn.Module) -> FlopModel:
         if layer_type == "linear_attention":
             state += _linear_state_flops(mixer)
             n_linear += 1
-        elif layer_type == "hybrid":  # a linear mixer and an attention (self_attn) in parallel (falcon_h1)
+        elif layer_type == "hybrid":  # a linear mixer and the adapter's parallel_attention side by side
             state += _linear_state_flops(mixer)
-            attn += _attention_key_flops(layer.self_attn, config)
+            attn += _attention_key_flops(getattr(layer, adapter.parallel_attention), config)
             n_linear += 1
             n_full += 1
         elif layer_type in TOKEN_WISE_LAYERS:  # projections, MLP or MoE only: per-token work above
