@@ -11,8 +11,9 @@ parameter gradients (``A_log``, ``dt_bias``) are sums with heavy cancellation, a
 islands put the stock fp32 result up to ~6e-4 and a half-fp64 reference up to ~2e-4 relative off
 the exact value on tiny models (measured), more than the tolerance. So, during the reference
 run only, :func:`exact_linear_kernels` swaps the chunked kernels the family's adapter names
-(``stock_delta_rule_kernels``) for the plain fp64 recurrence of ``harts.ops.delta_rule_naive`` and keeps fp64 tensors from being cast down to
-fp32 (``Tensor.float/.to/.type`` and ``softmax(dtype=float32)`` return fp64 for fp64 input).
+(``stock_delta_rule_kernels``) for the plain fp64 recurrence of ``harts.ops.delta_rule_naive``
+and keeps fp64 tensors from being cast down to fp32 (``Tensor.float/.to/.type`` and
+``softmax(dtype=float32)`` return fp64 for fp64 input).
 Everything else is the stock code.
 """
 
