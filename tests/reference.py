@@ -10,9 +10,10 @@ RMSNorm and gated RMSNorm, the KDA forget gate, the MoE routers' logits and soft
 parameter gradients (``A_log``, ``dt_bias``) are sums with heavy cancellation, and those fp32
 islands put the stock fp32 result up to ~6e-4 and a half-fp64 reference up to ~2e-4 relative off
 the exact value on tiny models (measured), more than the tolerance. So, during the reference
-run only, :func:`exact_linear_kernels` swaps the two chunked kernels for the plain fp64
-recurrence of ``harts.ops.delta_rule.naive`` and keeps fp64 tensors from being cast down to
-fp32 (``Tensor.float/.to/.type`` and ``softmax(dtype=float32)`` return fp64 for fp64 input).
+run only, :func:`exact_linear_kernels` swaps the chunked kernels the family's adapter names
+(``stock_delta_rule_kernels``) for the plain fp64 recurrence of ``harts.ops.delta_rule.naive``
+and keeps fp64 tensors from being cast down to fp32 (``Tensor.float/.to/.type`` and
+``softmax(dtype=float32)`` return fp64 for fp64 input).
 Everything else is the stock code.
 """
 
@@ -24,6 +25,7 @@ import sys
 
 import torch
 
+from harts.adapters import adapter_for_type
 from harts.ops.delta_rule import naive_recurrent_gated_delta_rule
 from harts.testing import tiny_model
 
@@ -71,9 +73,6 @@ def _exact_delta_rule(
     return out, (state if output_final_state else None)
 
 
-_KERNEL_NAMES = ("chunk_kimi_delta_attention", "torch_chunk_gated_delta_rule")
-
-
 def _keep64(dtype, source_dtype):
     return torch.float64 if source_dtype == torch.float64 and dtype == torch.float32 else dtype
 
@@ -118,7 +117,8 @@ def _no_fp32_downcasts():
 def exact_linear_kernels(model):
     """The stock fp64 model computing in fp64 throughout (see the module docstring)."""
     module = sys.modules[type(model).__module__]
-    saved = {name: getattr(module, name) for name in _KERNEL_NAMES if hasattr(module, name)}
+    names = adapter_for_type(model.config.model_type).stock_delta_rule_kernels
+    saved = {name: getattr(module, name) for name in names}
     try:
         for name in saved:
             setattr(module, name, _exact_delta_rule)

@@ -2,9 +2,8 @@
 
 - Sliding windows are live: each windowed tiny model differs from the same weights without the
   window on a path longer than it, so the equivalence tests (stock vs tree) check the window.
-- MoE: expert counts equal the per-trajectory counts (qwen3_moe, glm4_moe, gpt_oss, nemotron_h,
-  granitemoehybrid, qwen3_5_moe); their load-balancing loss against the stock flat batch is in
-  tests/test_moe_stats.py.
+- MoE: expert counts equal the per-trajectory counts (every family whose adapter declares MoE
+  balancing); the load-balancing loss against the stock flat batch is in tests/test_moe_stats.py.
 - Refusals before compute: gemma3 attention-logit soft-capping and bidirectional attention; final
   logit soft-capping in a family whose stock head applies none; a module the adapter relies on
   missing from the loaded model (a renamed transformers attribute). gemma3's final logit
@@ -20,9 +19,9 @@ import pytest
 import torch
 
 import harts
-from harts.adapters.base import adapter_for, supported_families
+from harts.adapters.base import MoEBalancing, adapter_for, registered_adapter, supported_families
 from harts.runtime.routers import RouterRecorder
-from harts.testing import tiny_model
+from harts.testing import ALL_FAMILIES, tiny_model
 from harts.train.moe import moe_stats
 from tests.helpers import EDGE_SHAPES, MOE_FORESTS, loop_counts
 from tests.reference import cached_model
@@ -55,7 +54,7 @@ def test_sliding_windows_are_live(family):
             assert (tree - plain(input_ids=ids).logits[0]).abs().max() > 1e-2
 
 
-MOE = ["qwen3_moe", "glm4_moe", "gpt_oss", "nemotron_h", "granitemoehybrid", "qwen3_5_moe"]
+MOE = [f for f in ALL_FAMILIES if registered_adapter(f).moe_balancing is not None]
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -79,8 +78,8 @@ def test_expert_counts_equal_each_trajectory_alone(family):
             for layer, row in enumerate(loop_counts(one.indices, [True] * len(t), one.num_experts)):
                 alone[layer] = [a + b for a, b in zip(alone[layer], row, strict=True)]
     assert tree.expert_counts.tolist() == alone
-    aux_families = ("qwen3_moe", "gpt_oss", "granitemoehybrid", "qwen3_5_moe")
-    assert (tree.aux_loss is not None) == (family in aux_families)
+    aux = registered_adapter(family).moe_balancing is MoEBalancing.AUX_LOSS
+    assert (tree.aux_loss is not None) == aux
 
 
 TRAJS = [[3, 4, 5, 6], [3, 4, 7]]

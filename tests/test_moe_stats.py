@@ -5,11 +5,11 @@ The forest runs each unique token once and weights it by its multiplicity; the f
 the stock model and reads the same router outputs through the same hooks (and, for the aux
 loss, the stock ``output_router_logits=True`` path with the stock ``load_balancing_loss_func``).
 
-- Expert counts (bailing_hybrid, kimi_linear, qwen3_next, qwen3_5_moe): exactly equal integers,
-  also equal to counting, in plain loops, the experts of each trajectory run alone.
-- qwen3_next and qwen3_5_moe aux loss: value within 1e-5 relative of the stock one; gradient with
-  respect to every parameter (router weights included) within 1e-4 relative of the stock fp64
-  gradient.
+- Expert counts (every family whose router reports its choice): exactly equal integers, also
+  equal to counting, in plain loops, the experts of each trajectory run alone.
+- Aux loss (the families trained with the Switch loss): value within 1e-5 relative of the stock
+  one; gradient with respect to every parameter (router weights included) within 1e-4 relative of
+  the stock fp64 gradient.
 - The one step (``rollout_step``) under token budgets down to 1: the same counts (exact), aux
   loss, loss and gradients as without a budget.
 """
@@ -21,9 +21,11 @@ import torch
 
 import harts
 from harts import LossKind, MoEConfig, PolicyLossConfig, Rollout, RouterRecorder, moe_stats, rollout_step
-from harts.adapters import supported_families
+from harts.adapters import adapter_for_type, supported_families
+from harts.adapters.base import MoEBalancing
 from harts.objectives import bias_update, load_balancing_loss
-from harts.testing import tiny_model
+from harts.runtime.routers import find_routers
+from harts.testing import FAMILIES, tiny_model
 from tests.helpers import MOE_FORESTS, loop_counts
 from tests.reference import (
     GRAD_RTOL,
@@ -34,9 +36,10 @@ from tests.reference import (
     param_grads,
 )
 
-MOE_FAMILIES = [f for f in ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3_5_moe")
-                if f in supported_families()]  # fmt: skip
-HYBRID_AUX = ("qwen3_next", "qwen3_5_moe")  # the hybrid families trained with the Switch aux loss
+# every family whose router reports its choice in the installed transformers, and those of them
+# trained with the Switch aux loss
+MOE_FAMILIES = [f for f in FAMILIES if adapter_for_type(f).router_class is not None]
+AUX_FAMILIES = [f for f in MOE_FAMILIES if adapter_for_type(f).moe_balancing is MoEBalancing.AUX_LOSS]
 AUX_RTOL = 1e-5
 
 
@@ -92,12 +95,12 @@ def test_expert_counts_equal_flat_batch(family, shape):
     top_k = model.config.num_experts_per_tok
     assert int(tree.tokens) == forest.num_flat_tokens == int(flat.tokens)
     assert tree.expert_counts.sum(1).tolist() == [top_k * forest.num_flat_tokens] * len(rec.layers)
-    assert (tree.aux_loss is not None) == (family in HYBRID_AUX)
+    assert (tree.aux_loss is not None) == (family in AUX_FAMILIES)
 
 
-# aux-loss families: qwen3_next on every forest, qwen3_5_moe and the full-attention ones on one
+# aux-loss families: qwen3_next on every forest, the others on one
 AUX_CASES = [("qwen3_next", shape) for shape in MOE_FORESTS] + [
-    (family, "star-dups-P8-G6") for family in ("qwen3_5_moe", "qwen3_moe", "gpt_oss")
+    (family, "star-dups-P8-G6") for family in AUX_FAMILIES if family != "qwen3_next"
 ]
 
 
@@ -135,7 +138,8 @@ def test_aux_loss_and_gradient_equal_stock_flat_batch(family, shape):
     errors = grad_relative_errors(got, ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.2e}"
-    routers = [n for n in ref if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+    router_params = {id(p) for _, router in find_routers(model64) for p in router.parameters()}
+    routers = [n for n, p in model64.named_parameters() if id(p) in router_params and p.dim() == 2]
     assert routers and all(ref[n].norm() > 1e-4 for n in routers)
 
 
@@ -187,7 +191,7 @@ def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
     P against the step's f, gives the same value and gradients as one pass."""
     model, trajs = model_of(family), MOE_FORESTS["nested-branches-2roots"]
     config = PolicyLossConfig(kind=LossKind.PPO)
-    moe = MoEConfig(aux_loss_coef=0.05 if family in HYBRID_AUX else None)
+    moe = MoEConfig(aux_loss_coef=0.05 if family in AUX_FAMILIES else None)
     runs = []
     for b in (None, budget):
         model.zero_grad(set_to_none=True)
@@ -198,7 +202,7 @@ def test_budgeted_step_keeps_moe_statistics_and_aux_gradient(family, budget):
     assert torch.equal(cut.moe.expert_counts, whole.moe.expert_counts)
     assert int(cut.moe.tokens) == int(whole.moe.tokens) == sum(len(t) for t in trajs)
     assert cut.moe.layers == whole.moe.layers
-    if family in HYBRID_AUX:
+    if family in AUX_FAMILIES:
         aux = float(whole.moe.aux_loss)
         assert abs(float(cut.moe.aux_loss) - aux) <= AUX_RTOL * aux
         assert float(cut.metrics["moe_aux_loss"]) == float(cut.moe.aux_loss)

@@ -156,7 +156,7 @@ def test_a_family_whose_stock_code_is_wrong_in_older_transformers_is_refused_the
 
     model = tiny_model("llama")
     base = harts.adapters.base
-    registry, unavailable = dict(base._REGISTRY), dict(base._UNAVAILABLE)
+    registry, unavailable, adapters = dict(base._REGISTRY), dict(base._UNAVAILABLE), dict(base._ADAPTERS)
     try:
         register(Future())
         assert "llama" not in harts.supported_families()
@@ -166,6 +166,7 @@ def test_a_family_whose_stock_code_is_wrong_in_older_transformers_is_refused_the
     finally:
         base._REGISTRY.clear(), base._REGISTRY.update(registry)
         base._UNAVAILABLE.clear(), base._UNAVAILABLE.update(unavailable)
+        base._ADAPTERS.clear(), base._ADAPTERS.update(adapters)
 
 
 def test_lfm2_conv_window_crosses_short_nodes():

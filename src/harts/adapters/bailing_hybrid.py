@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register
 from harts.adapters.mixers import kda_mixer, mla_attention
 
 __all__ = ["BailingHybridAdapter"]
@@ -16,13 +16,13 @@ class BailingHybridAdapter(FamilyAdapter):
     model_types = ("bailing_hybrid",)
     router_class = "BailingHybridTopkRouter"
     moe_balancing = MoEBalancing.BIAS
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "full_attention":
-            return layer.self_attn, partial(mla_attention, rope=True, head_gate=True)
-        if layer_type == "linear_attention":
-            return layer.self_attn, partial(kda_mixer, output_gate=lambda attn, x: attn.g_proj(x))
-        raise unknown_layer("bailing_hybrid", layer_type)
+    mixers = {
+        "full_attention": ("self_attn", partial(mla_attention, rope=True, head_gate=True)),
+        "linear_attention": ("self_attn", partial(kda_mixer, output_gate=lambda attn, x: attn.g_proj(x))),
+    }
+    stock_delta_rule_kernels = ("chunk_kimi_delta_attention",)
+    small_overrides = {"bailing_hybrid": dict(moe_intermediate_size=64, head_dim=32, qk_nope_head_dim=32,
+                                              v_head_dim=32)}  # fmt: skip
 
     def tiny_config(self, model_type, **overrides):
         from transformers import BailingHybridConfig

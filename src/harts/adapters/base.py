@@ -11,11 +11,15 @@ executor calls the model's own modules on the [1, N, D] unique tokens. Only the 
 it built from the same module's parameters and helper functions (no weight copies, no changes to
 the model).
 
-An adapter is a small object holding one family's knowledge: which modules hold the embedding,
-layers, final norm, rotary embedding and head; which mixer function runs each layer; which
-config options it refuses; which module is its MoE router and how the family balances experts;
-and a tiny configuration for tests and demos. Mixers reach the sequence only through a
-:class:`TreeOps` context, which the runtime implements (:mod:`harts.runtime.handoff`).
+An adapter is a small object holding all of one family's knowledge, so that a new family is one
+new file here (and its import in ``adapters/__init__.py``): which modules hold the embedding,
+layers, final norm, rotary embedding and head; which mixer function runs each layer type
+(:attr:`FamilyAdapter.mixers`); which config options it refuses; which module is its MoE router
+and how the family balances experts; whether its stock cache samples exactly; which stock kernels
+the fp64 test reference replaces; and the tiny and benchmark configurations. Everything else
+(the test matrix, the sampler's cache check, the benchmark's models) reads these declarations
+from the registry. Mixers reach the sequence only through a :class:`TreeOps` context, which the
+runtime implements (:mod:`harts.runtime.handoff`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = [
     "adapter_for",
     "supported_families",
     "adapter_for_type",
+    "all_families",
+    "registered_adapter",
     "FamilyUnavailable",
     "hf_function",
     "logit_softcap",
@@ -84,12 +90,15 @@ class MoEBalancing(StrEnum):
 class FamilyAdapter:
     """Base adapter for ``*ForCausalLM`` models whose backbone is ``model.model``.
 
-    ``router_class``: class name of the family's MoE router (None: no MoE); every router returns
-    ``(router_logits [N, E], weights [N, k], indices [N, k])``. ``moe_balancing``: how the family
-    balances its experts (None: no MoE).
+    ``mixers``: layer type (as :meth:`layer_type` names it) -> (attribute of the decoder layer that
+    holds the mixer module, tree mixer function); :meth:`mixer` reads it, and a layer type missing
+    from it is refused naming the ones present. ``router_class``: class name of the family's MoE
+    router (None: no MoE); every router returns ``(router_logits [N, E], weights [N, k],
+    indices [N, k])``. ``moe_balancing``: how the family balances its experts (None: no MoE).
     """
 
     model_types: tuple[str, ...] = ()
+    mixers: dict[str, tuple[str, Mixer]] = {}
     # config model types that stand for one of ``model_types``: the text causal LM of a family
     # whose ``model_type`` names its multimodal wrapper (qwen3_5_text -> qwen3_5)
     config_aliases: dict[str, str] = {}
@@ -107,6 +116,22 @@ class FamilyAdapter:
     # model type -> (oldest transformers version, why older ones are refused): where the stock
     # modeling code of older versions is itself wrong, so no exact equivalent exists
     min_transformers: dict[str, tuple[str, str]] = {}
+    # Sampling through the stock cache (harts.rl.sampler), where cached decoding does not give the
+    # log-probs of a full forward (measured by tests/test_rl.py's check): why, for every transformers
+    # version (``inexact_cache``), or the oldest version measured exact (``exact_cache_from``;
+    # earlier ones measured wrong or not measured)
+    inexact_cache: str | None = None
+    exact_cache_from: str | None = None
+    # names of the chunked delta-rule functions in the family's modeling file (the signature of
+    # transformers' ``torch_chunk_gated_delta_rule``): the fp64 test reference swaps them for the
+    # plain fp64 recurrence, as their fp32 islands would otherwise stay in it (tests/reference.py)
+    stock_delta_rule_kernels: tuple[str, ...] = ()
+    # model type -> fields the benchmark's "small" models set on top of the shared widths
+    # (harts.bench.cases; e.g. a head_dim that grows with the hidden size)
+    small_overrides: dict[str, dict] = {}
+    # attribute of a decoder layer holding an attention that runs beside its mixer on the same input
+    # (falcon_h1): the executor calls neither module's forward; the FLOP model counts both
+    parallel_attention: str | None = None
 
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
@@ -146,13 +171,23 @@ class FamilyAdapter:
         return types[index] if types is not None else "full_attention"
 
     def mixer(self, layer: nn.Module, layer_type: str) -> tuple[nn.Module, Mixer]:
-        """Return (module, mixer function) for one decoder layer."""
-        raise NotImplementedError
+        """Return (module, mixer function) for one decoder layer, from :attr:`mixers`."""
+        if layer_type not in self.mixers:
+            raise self.unknown_layer(layer_type)
+        attribute, function = self.mixers[layer_type]
+        return getattr(layer, attribute), function
+
+    def unknown_layer(self, layer_type: str) -> ValueError:
+        """The error for a layer type the adapter has no mixer for, naming the ones it has."""
+        return ValueError(
+            f"{'/'.join(self.model_types)}: layer type {layer_type!r} is not supported "
+            f"(expected {' or '.join(self.mixers) or 'none'})"
+        )
 
     def uncalled_modules(self, layer: nn.Module, layer_type: str) -> list[nn.Module]:
         """Modules of a layer, besides the layer and its mixer, whose forward harts never calls (their
-        parts run over the forest): hooks on them are refused (falcon_h1's parallel attention)."""
-        return []
+        parts run over the forest): hooks on them are refused (a :attr:`parallel_attention`)."""
+        return [getattr(layer, self.parallel_attention)] if self.parallel_attention else []
 
     def tiny_config(self, model_type: str, **overrides):
         """A toy configuration of ``model_type`` (tests, demos, benchmarks); keywords override fields."""
@@ -190,12 +225,9 @@ def require(family: str, obj, *names: str) -> None:
         )
 
 
-def unknown_layer(family: str, layer_type: str) -> ValueError:
-    return ValueError(
-        f"{family}: layer type {layer_type!r} is not supported (expected full_attention or linear_attention)"
-    )
-
-
+# every family harts has an adapter for, available or not, in registration order (the import order
+# of adapters/__init__.py): the order of harts.testing.ALL_FAMILIES
+_ADAPTERS: dict[str, FamilyAdapter] = {}
 _REGISTRY: dict[str, FamilyAdapter] = {}
 # families harts has an adapter for that the installed transformers lacks (or runs wrongly) -> why
 _UNAVAILABLE: dict[str, str] = {}
@@ -224,6 +256,7 @@ def register(adapter: FamilyAdapter) -> FamilyAdapter:
     import transformers
 
     for name in adapter.model_types:
+        _ADAPTERS[name] = adapter
         _REGISTRY.pop(name, None), _UNAVAILABLE.pop(name, None)
         if not _transformers_has(adapter.modeling_package.get(name, name)):
             _UNAVAILABLE[name] = (
@@ -246,6 +279,18 @@ def register(adapter: FamilyAdapter) -> FamilyAdapter:
 def supported_families() -> list[str]:
     """The families this installation runs (those of harts' adapters that transformers has)."""
     return sorted(_REGISTRY)
+
+
+def all_families() -> list[str]:
+    """Every family harts has an adapter for, in registration order, including those the installed
+    transformers lacks (:func:`adapter_for_type` refuses them, saying why)."""
+    return list(_ADAPTERS)
+
+
+def registered_adapter(model_type: str | None) -> FamilyAdapter | None:
+    """The adapter harts has for ``model_type`` (or a config alias of it), whether the installed
+    transformers runs the family or not, or None: for reading what the adapter declares."""
+    return _ADAPTERS.get(_ALIASES.get(model_type, model_type))
 
 
 def _unavailable(model_type: str) -> FamilyUnavailable:

@@ -6,32 +6,32 @@ not part of the forward transformers runs either)."""
 
 from __future__ import annotations
 
-from functools import partial
+import torch
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
 from harts.adapters.gqa_family import PRE_NORM_FIELDS, router_if_it_chooses
 from harts.adapters.mixers import mla_attention
 
-__all__ = ["DeepseekV3Adapter"]
+__all__ = ["DeepseekV3Adapter", "deepseek_v3_attention"]
 
 _MLA_FIELDS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "kv_lora_rank",
                "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "scaling")
 
 
+def deepseek_v3_attention(attn, x, ctx) -> torch.Tensor:
+    """MLA with RoPE, interleaved or not as the module's config says (``rope_interleave``)."""
+    interleave = bool(attn.config.rope_interleave)
+    return mla_attention(attn, x, ctx, rope=True, head_gate=False, interleave=interleave)
+
+
 class DeepseekV3Adapter(FamilyAdapter):
     model_types = ("deepseek_v3",)
     moe_balancing = MoEBalancing.BIAS
+    mixers = {"full_attention": ("self_attn", deepseek_v3_attention)}
 
     @property
     def router_class(self):
         return router_if_it_chooses("deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter")
-
-    def mixer(self, layer, layer_type):
-        if layer_type != "full_attention":
-            raise unknown_layer("deepseek_v3", layer_type)
-        attn = layer.self_attn
-        return attn, partial(mla_attention, rope=True, head_gate=False,
-                             interleave=bool(attn.config.rope_interleave))
 
     def check_model(self, model):
         backbone = self.backbone(model)

@@ -25,6 +25,7 @@ class Gemma3Adapter(GQAFamilyAdapter):
                     "pre_feedforward_layernorm", "post_feedforward_layernorm")
     attention_fields = (*GQAFamilyAdapter.attention_fields, "q_norm", "k_norm")
     final_logit_softcapping = True  # Gemma3ForCausalLM.forward caps its logits after lm_head
+    small_overrides = {"gemma3_text": dict(head_dim=32)}
 
     def check_config(self, config):
         if getattr(config, "attn_logit_softcapping", None):

@@ -7,7 +7,7 @@ clamped SwiGLU experts, trained with the Switch load-balancing loss (``router_au
 from __future__ import annotations
 
 from harts.adapters.base import TINY_COMMON, MoEBalancing, register
-from harts.adapters.gqa_family import GQAFamilyAdapter
+from harts.adapters.gqa_family import GQAFamilyAdapter, gqa_mixers
 
 __all__ = ["GptOssAdapter"]
 
@@ -17,6 +17,8 @@ class GptOssAdapter(GQAFamilyAdapter):
     router_class = "GptOssTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
     sinks = True
+    mixers = gqa_mixers(sinks=True)
+    small_overrides = {"gpt_oss": dict(head_dim=32)}
 
     def tiny_config(self, model_type, **overrides):
         from transformers import GptOssConfig

@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib
 from functools import partial
 
-from harts.adapters.base import FamilyAdapter, require, unknown_layer
+import torch
+
+from harts.adapters.base import FamilyAdapter, require
 from harts.adapters.mixers import gqa_attention
 
-__all__ = ["GQAFamilyAdapter", "LayerTypeRotary", "layer_window", "router_if_it_chooses"]
+__all__ = ["GQAFamilyAdapter", "LayerTypeRotary", "gqa_mixers", "layer_window", "router_if_it_chooses"]
 
 # What gqa_attention reads from an attention module, and the executor from a pre-norm layer.
 ATTENTION_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
@@ -29,6 +31,20 @@ def layer_window(config, layer_type: str) -> int | None:
     if getattr(config, "layer_types", None) is not None:
         return window if layer_type == "sliding_attention" else None
     return window
+
+
+def _layer_type_attention(attn, x, ctx, layer_type: str, sinks: bool) -> torch.Tensor:
+    """Grouped-query attention of one layer type: its window (:func:`layer_window`) and its rotary
+    table."""
+    window = layer_window(attn.config, layer_type)
+    return gqa_attention(attn, x, ctx, window=window, sinks=sinks, rope_key=layer_type)
+
+
+def gqa_mixers(sinks: bool = False) -> dict:
+    """The mixer table of the grouped-query-attention families: full and sliding layers on
+    ``self_attn`` (with attention sinks: gpt_oss)."""
+    return {t: ("self_attn", partial(_layer_type_attention, layer_type=t, sinks=sinks))
+            for t in ("full_attention", "sliding_attention")}  # fmt: skip
 
 
 def router_if_it_chooses(model_type: str, block: str, router: str) -> str | None:
@@ -58,25 +74,19 @@ class LayerTypeRotary:
 class GQAFamilyAdapter(FamilyAdapter):
     """Pre-norm decoder layers with grouped-query attention on ``self_attn``, sliding windows along
     paths where the configuration has them. Subclasses set ``model_types``, the MoE router and the
-    tiny configuration; ``sinks`` for attention sinks (gpt_oss)."""
+    tiny configuration; ``sinks`` and ``mixers = gqa_mixers(sinks=True)`` for attention sinks
+    (gpt_oss)."""
 
     sliding_windows = True
     sinks = False
+    mixers = gqa_mixers()
     layer_fields: tuple[str, ...] = PRE_NORM_FIELDS
     attention_fields: tuple[str, ...] = ATTENTION_FIELDS
-    layer_types = ("full_attention", "sliding_attention")
 
     def rotary(self, backbone):
         rotary = getattr(backbone, "rotary_emb", None)
         layer_types = getattr(rotary, "layer_types", None)
         return LayerTypeRotary(rotary, layer_types) if layer_types else rotary
-
-    def mixer(self, layer, layer_type):
-        if layer_type not in self.layer_types:
-            raise unknown_layer(type(layer).__name__, layer_type)
-        attn = layer.self_attn
-        window = layer_window(attn.config, layer_type)
-        return attn, partial(gqa_attention, window=window, sinks=self.sinks, rope_key=layer_type)
 
     def check_model(self, model):
         family = model.config.model_type

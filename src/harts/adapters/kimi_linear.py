@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register
 from harts.adapters.mixers import kda_mixer, mla_attention
 
 __all__ = ["KimiLinearAdapter"]
@@ -15,15 +15,14 @@ class KimiLinearAdapter(FamilyAdapter):
     model_types = ("kimi_linear",)
     router_class = "KimiLinearTopkRouter"
     moe_balancing = MoEBalancing.BIAS
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "full_attention":
-            return layer.self_attn, partial(mla_attention, rope=False, head_gate=False)
-        if layer_type == "linear_attention":
-            return layer.self_attn, partial(
-                kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x))
-            )
-        raise unknown_layer("kimi_linear", layer_type)
+    mixers = {
+        "full_attention": ("self_attn", partial(mla_attention, rope=False, head_gate=False)),
+        "linear_attention": (
+            "self_attn", partial(kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x)))
+        ),
+    }
+    stock_delta_rule_kernels = ("chunk_kimi_delta_attention",)
+    small_overrides = {"kimi_linear": dict(moe_intermediate_size=64, linear_head_dim=32)}
 
     def tiny_config(self, model_type, **overrides):
         from transformers import KimiLinearConfig

@@ -20,7 +20,6 @@ from harts.adapters.base import (
     hf_function,
     register,
     require,
-    unknown_layer,
 )  # fmt: skip
 
 __all__ = ["Lfm2Adapter", "lfm2_attention", "lfm2_conv"]
@@ -53,6 +52,8 @@ def lfm2_conv(block, x, ctx: TreeOps) -> torch.Tensor:
 
 class Lfm2Adapter(FamilyAdapter):
     model_types = ("lfm2",)
+    mixers = {"conv": ("conv", lfm2_conv), "full_attention": ("self_attn", lfm2_attention)}
+    exact_cache_from = "5.24.0"  # 5.10.4: 0.20 off after a branch point
 
     def check_model(self, model):
         backbone = self.backbone(model)
@@ -72,13 +73,6 @@ class Lfm2Adapter(FamilyAdapter):
     def decoder_block(self, layer, hidden, mix, mlp):
         hidden = hidden + mix(layer.operator_norm(hidden))
         return hidden + layer.feed_forward(layer.ffn_norm(hidden))
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "conv":
-            return layer.conv, lfm2_conv
-        if layer_type == "full_attention":
-            return layer.self_attn, lfm2_attention
-        raise unknown_layer("lfm2", layer_type)
 
     def tiny_config(self, model_type, **overrides):
         from transformers import Lfm2Config

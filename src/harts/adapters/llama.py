@@ -3,7 +3,7 @@ MLPs."""
 
 from __future__ import annotations
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, register, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, register
 from harts.adapters.mixers import gqa_attention
 
 __all__ = ["LlamaLikeAdapter"]
@@ -11,11 +11,8 @@ __all__ = ["LlamaLikeAdapter"]
 
 class LlamaLikeAdapter(FamilyAdapter):
     model_types = ("qwen3", "llama")
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "full_attention":
-            return layer.self_attn, gqa_attention
-        raise unknown_layer(type(layer).__name__, layer_type)
+    mixers = {"full_attention": ("self_attn", gqa_attention)}
+    small_overrides = {"qwen3": dict(head_dim=32)}
 
     def tiny_config(self, model_type, **overrides):
         from transformers import LlamaConfig, Qwen3Config

@@ -210,13 +210,12 @@ def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
 
 
 def mamba2_mixer(
-    mixer, x, ctx: TreeOps, dt_limit: tuple[float, float] = (0.0, float("inf")), gated_norm: bool = True,
-    project=None,
+    mixer, x, ctx: TreeOps, gated_norm: bool = True, project=None
 ) -> torch.Tensor:
     """Mamba-2's SSD layer (nemotron_h, granitemoehybrid, falcon_h1), as the stock ``torch_forward``.
 
     ``in_proj`` gives (gate z, x|B|C, dt) after any unused leading columns; the depthwise conv and
-    activation run on x|B|C along paths; dt = clamp(softplus(dt + dt_bias), *dt_limit) per head; the
+    activation run on x|B|C along paths; dt = clamp(softplus(dt + dt_bias), *time_step_limit) per head; the
     scan h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t h_t + D x_t (B and C shared by each
     group of heads) is :data:`~harts.ops.recurrence.GATED_LINEAR_ATTENTION` with q = C, k = B,
     v = dt * x and g = dt * A over the state channels, in fp32 as the stock chunked scan. Then the
@@ -234,7 +233,8 @@ def mamba2_mixer(
     hidden, b, c = torch.split(xbc, [inner, groups * state, groups * state], dim=-1)
     f = _state_dtype(x)
     dt = F.softplus(dt + mixer.dt_bias.to(dt.dtype))
-    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).to(f)  # [N, H]
+    dt_min, dt_max = mixer.time_step_limit
+    dt = torch.clamp(dt, min=dt_min, max=dt_max).to(f)  # [N, H]
     a = -torch.exp(mixer.A_log.to(f))  # [H]
     hidden = hidden.reshape(n, heads, head_dim).to(f)
     per_group = heads // groups

@@ -21,6 +21,7 @@ class Qwen3MoeAdapter(GQAFamilyAdapter):
     model_types = ("qwen3_moe",)
     router_class = "Qwen3MoeTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
+    small_overrides = {"qwen3_moe": dict(moe_intermediate_size=64, head_dim=32)}
 
     def tiny_config(self, model_type, **overrides):
         from transformers import Qwen3MoeConfig
@@ -36,6 +37,7 @@ class Qwen3MoeAdapter(GQAFamilyAdapter):
 class Glm4MoeAdapter(GQAFamilyAdapter):
     model_types = ("glm4_moe",)
     moe_balancing = MoEBalancing.BIAS
+    small_overrides = {"glm4_moe": dict(moe_intermediate_size=64, head_dim=32)}
 
     @property
     def router_class(self):

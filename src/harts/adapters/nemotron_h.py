@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
 from harts.adapters.mixers import gqa_attention, mamba2_mixer
 
 __all__ = ["NemotronHAdapter"]
@@ -36,6 +36,12 @@ class NemotronHAdapter(FamilyAdapter):
     model_types = ("nemotron_h",)
     router_class = "NemotronHTopkRouter"
     moe_balancing = MoEBalancing.BIAS
+    mixers = {
+        "linear_attention": ("mixer", mamba2_mixer),
+        "full_attention": ("mixer", partial(gqa_attention, rope=False)),
+        "mlp": ("mixer", _token_wise),
+        "moe": ("mixer", _token_wise),
+    }
     min_transformers = {"nemotron_h": (
         "5.24.0", "the Mamba-2 scan of earlier versions carries states between chunks wrongly (on "
                   "5.10.4 the logits of a 17-token sequence depend on chunk_size: 1.1e-3 apart at 8 "
@@ -68,15 +74,6 @@ class NemotronHAdapter(FamilyAdapter):
 
     def decoder_block(self, layer, hidden, mix, mlp):
         return hidden + mix(layer.norm(hidden))
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "linear_attention":
-            return layer.mixer, partial(mamba2_mixer, dt_limit=layer.mixer.time_step_limit)
-        if layer_type == "full_attention":
-            return layer.mixer, partial(gqa_attention, rope=False)
-        if layer_type in ("mlp", "moe"):
-            return layer.mixer, _token_wise
-        raise unknown_layer("nemotron_h", layer_type)
 
     def tiny_config(self, model_type, **overrides):
         from transformers import NemotronHConfig

@@ -12,6 +12,7 @@ __all__ = ["Qwen2Adapter"]
 
 class Qwen2Adapter(GQAFamilyAdapter):
     model_types = ("qwen2", "mistral")
+    small_overrides = {"mistral": dict(head_dim=32)}
 
     def tiny_config(self, model_type, **overrides):
         fields = dict(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
 from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projections
 
 __all__ = ["Qwen3_5Adapter", "Qwen3_5MoeAdapter"]
@@ -31,6 +31,12 @@ class Qwen3_5Adapter(FamilyAdapter):
     model_types = ("qwen3_5",)
     config_aliases = {"qwen3_5_text": "qwen3_5"}
     family = "qwen3_5"
+    mixers = {
+        "full_attention": ("self_attn", partial(gqa_attention, output_gate=True)),
+        "linear_attention": ("linear_attn", partial(gdn_mixer, projections=qwen3_5_gdn_projections)),
+    }
+    stock_delta_rule_kernels = ("torch_chunk_gated_delta_rule",)
+    small_overrides = {"qwen3_5": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)}
 
     def check_config(self, config) -> None:
         if hasattr(config, "text_config"):
@@ -58,13 +64,6 @@ class Qwen3_5Adapter(FamilyAdapter):
                 require(self.family, layer, "self_attn")
                 require(self.family, layer.self_attn, *_ATTENTION_ATTRIBUTES)
 
-    def mixer(self, layer, layer_type):
-        if layer_type == "full_attention":
-            return layer.self_attn, partial(gqa_attention, output_gate=True)
-        if layer_type == "linear_attention":
-            return layer.linear_attn, partial(gdn_mixer, projections=qwen3_5_gdn_projections)
-        raise unknown_layer(self.family, layer_type)
-
     def _fields(self):
         return dict(
             TINY_COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -87,6 +86,10 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
     family = "qwen3_5_moe"
     router_class = "Qwen3_5MoeTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
+    small_overrides = {"qwen3_5_moe": dict(
+        Qwen3_5Adapter.small_overrides["qwen3_5"], moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )}  # fmt: skip
 
     def tiny_config(self, model_type, **overrides):
         from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig

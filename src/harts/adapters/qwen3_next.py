@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, unknown_layer
+from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register
 from harts.adapters.mixers import gdn_mixer, gqa_attention
 
 __all__ = ["Qwen3NextAdapter"]
@@ -16,13 +16,13 @@ class Qwen3NextAdapter(FamilyAdapter):
     model_types = ("qwen3_next",)
     router_class = "Qwen3NextTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
-
-    def mixer(self, layer, layer_type):
-        if layer_type == "full_attention":
-            return layer.self_attn, partial(gqa_attention, output_gate=True)
-        if layer_type == "linear_attention":
-            return layer.linear_attn, gdn_mixer
-        raise unknown_layer("qwen3_next", layer_type)
+    mixers = {
+        "full_attention": ("self_attn", partial(gqa_attention, output_gate=True)),
+        "linear_attention": ("linear_attn", gdn_mixer),
+    }
+    stock_delta_rule_kernels = ("torch_chunk_gated_delta_rule",)
+    small_overrides = {"qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                                          head_dim=32)}  # fmt: skip
 
     def tiny_config(self, model_type, **overrides):
         from transformers import Qwen3NextConfig

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import harts
+from harts.adapters import adapter_for_type
 from harts.data.synthetic import scaled
 from harts.forest import Forest
 from harts.runtime.config import RunConfig
@@ -55,24 +56,9 @@ QUICK_SHAPES: dict[str, dict] = {
 }
 
 # "small" widths: a 1K vocabulary and 128-wide hidden states, so matmuls rather than Python
-# overheads dominate while the whole sweep still fits a CPU. "tiny" is harts.testing's size.
+# overheads dominate while the whole sweep still fits a CPU (each adapter's ``small_overrides``
+# widen its heads and experts to match). "tiny" is harts.testing's size.
 _SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)
-_SMALL_EXTRA = {
-    "bailing_hybrid": dict(moe_intermediate_size=64, head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
-    "kimi_linear": dict(moe_intermediate_size=64, linear_head_dim=32),
-    "qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32),
-    "qwen3": dict(head_dim=32),
-    "llama": dict(),
-    "qwen3_moe": dict(moe_intermediate_size=64, head_dim=32),  # full attention with softmax MoE
-    "glm4_moe": dict(moe_intermediate_size=64, head_dim=32),
-    "qwen2": dict(), "mistral": dict(head_dim=32), "olmo3": dict(),
-    "gemma3_text": dict(head_dim=32), "gpt_oss": dict(head_dim=32),
-    "qwen3_5": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
-    "qwen3_5_moe": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
-                        moe_intermediate_size=64, shared_expert_intermediate_size=64),
-    "lfm2": dict(), "minimax": dict(head_dim=32),
-}
-
 
 # The full sweep's families (the KDA, GDN and full-attention ones the benchmark tables report);
 # any supported family can be named with --families.
@@ -170,7 +156,8 @@ def stock_step(model: nn.Module, trajectories: list[list[int]], device: torch.de
 
 # ---- cases ---------------------------------------------------------------------------------------
 def make_model(family: str, cfg: BenchConfig) -> nn.Module:
-    overrides = {} if cfg.model_size == "tiny" else {**_SMALL, **_SMALL_EXTRA.get(family, {})}
+    small = adapter_for_type(family).small_overrides.get(family, {})
+    overrides = {} if cfg.model_size == "tiny" else {**_SMALL, **small}
     return tiny_model(family, seed=cfg.seed, **overrides).to(cfg.device)
 
 

@@ -78,9 +78,11 @@ def _expert_weights(experts: nn.Module) -> tuple[int, int]:
     return total // num, num
 
 
-# Layer types without keys or states: a short convolution (lfm2), or an MLP / MoE block standing
-# as a layer of its own (nemotron_h).
+# Layer types without keys or states: a short convolution, or an MLP / MoE block standing as a
+# layer of its own.
 TOKEN_WISE_LAYERS = ("conv", "mlp", "moe")
+# Layer types whose mixer attends (a window's keys counted as the whole path's).
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
 def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
@@ -149,16 +151,19 @@ def flop_model(model: nn.Module) -> FlopModel:
         if layer_type == "linear_attention":
             state += _linear_state_flops(mixer)
             n_linear += 1
-        elif layer_type == "hybrid":  # a linear mixer and an attention (self_attn) in parallel (falcon_h1)
+        elif layer_type == "hybrid":  # a linear mixer and the adapter's parallel_attention side by side
             state += _linear_state_flops(mixer)
-            attn += _attention_key_flops(layer.self_attn, config)
+            attn += _attention_key_flops(getattr(layer, adapter.parallel_attention), config)
             n_linear += 1
             n_full += 1
         elif layer_type in TOKEN_WISE_LAYERS:  # projections, MLP or MoE only: per-token work above
             continue
-        else:  # full or sliding-window attention (a window's keys counted as the whole path's)
+        elif layer_type in ATTENTION_LAYERS:
             attn += _attention_key_flops(mixer, config)
             n_full += 1
+        else:
+            raise ValueError(f"the FLOP model has no term for layer type {layer_type!r} "
+                             f"({model.config.model_type}); add one in harts.bench.flops")
     return FlopModel(dense, state, attn, n_full, n_linear)
 
 

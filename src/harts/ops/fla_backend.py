@@ -258,8 +258,8 @@ def flex_tree_attention(
 
     if plan.windowed(window) is not plan or sinks is not None:
         raise ValueError("the 'fla' backend's tree attention has no sliding window or attention sinks; "
-                         "run layers that use them (windowed qwen2, mistral, qwen3_moe, olmo3, gemma3_text, "
-                         "gpt_oss) on the 'torch' backend")
+                         "run a model whose layers use them (a window set in its config, or sinks) on the "
+                         "'torch' backend")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"expected q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

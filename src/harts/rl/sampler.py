@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from harts.adapters.base import registered_adapter
 from harts.objectives.rollout import Rollout
 from harts.rl.task import Episode, RunningSum
 
@@ -184,35 +185,21 @@ def sample_tree(
     return TreeSample(rollouts, torch.tensor(rewards, dtype=torch.float64), episode.cpu(), tokens, calls)
 
 
-# Families whose stock cached decoding does not give the log-probs of a full forward, measured by
-# tests/test_rl.py's check: sampling through their cache would record wrong behaviour log-probs.
-CACHE_NOT_EXACT = {
-    "minimax": "transformers' MiniMax cache, extended by several tokens at once, gives log-probs up to "
-               "0.19 off a full forward of the same tokens",
-    "jamba": "transformers' Jamba cache, extended by several tokens at once, restarts the Mamba layers' "
-             "scan (5.24) or conv (5.10) from zeros: log-probs up to 0.36 (5.24) and 1.8 (5.10) off a "
-             "full forward of the same tokens",
-}
-# Families whose cached decoding is exact from a transformers version on (the oldest one measured
-# exact; earlier ones measured wrong or not measured).
-CACHE_EXACT_FROM = {
-    "lfm2": "5.24.0",  # 5.10.4: 0.20 off after a branch point
-    "granitemoehybrid": "5.24.0",  # 5.10.4: 0.015 off after a branch point
-    "falcon_h1": "5.24.0",  # 5.10.4: 0.014 off after a branch point
-}
-
-
 def cache_not_exact(family: str | None) -> str | None:
-    """Why sampling ``family`` through its stock cache would record wrong log-probs, or None."""
-    if family in CACHE_NOT_EXACT:
-        return CACHE_NOT_EXACT[family]
-    if family in CACHE_EXACT_FROM:
+    """Why sampling ``family`` through its stock cache would record wrong log-probs, or None (what its
+    adapter declares: ``inexact_cache``, ``exact_cache_from``)."""
+    adapter = registered_adapter(family)
+    if adapter is None:
+        return None
+    if adapter.inexact_cache is not None:
+        return adapter.inexact_cache
+    if adapter.exact_cache_from is not None:
         import transformers
         from packaging.version import Version
 
-        if Version(transformers.__version__) < Version(CACHE_EXACT_FROM[family]):
+        if Version(transformers.__version__) < Version(adapter.exact_cache_from):
             return (f"its cache in transformers {transformers.__version__} does not give the log-probs of a "
-                    f"full forward after a branch point (exact from {CACHE_EXACT_FROM[family]})")
+                    f"full forward after a branch point (exact from {adapter.exact_cache_from})")
     return None
 
 
