@@ -23,7 +23,7 @@ from enum import StrEnum
 
 import torch
 
-from harts.objectives.rows import LossRows
+from harts.objectives.rows import LossRows, check_row_tensor
 
 __all__ = [
     "Aggregation", "Normalizers", "normalizers_for", "aggregate",
@@ -102,13 +102,6 @@ def normalizers_for(
     return Normalizers(total_tokens=counts[0], total_sequences=counts[1], max_length=max_length)
 
 
-def _check_row_tensor(x: Tensor, rows: LossRows, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.shape != (rows.num_rows,):
-        raise ValueError(f"{name} must have shape [R] = ({rows.num_rows},), got {tuple(x.shape)}")
-
-
 def _nonzero(x: Tensor) -> Tensor:
     # A step without rows has a zero sum; divide it by 1, not 0.
     return torch.where(x > 0, x, torch.ones_like(x))
@@ -116,7 +109,7 @@ def _nonzero(x: Tensor) -> Tensor:
 
 def aggregate(per_row_loss: Tensor, rows: LossRows, mode: Aggregation, normalizers: Normalizers) -> Tensor:
     """Scalar loss of one micro-batch: weighted sum of ``per_row_loss`` [R] over global normalisers."""
-    _check_row_tensor(per_row_loss, rows, "per_row_loss")
+    check_row_tensor(per_row_loss, rows, "per_row_loss")
     mode = Aggregation(mode)
     dtype = per_row_loss.dtype
     weighted = per_row_loss * rows.weight.to(dtype)
@@ -143,7 +136,7 @@ def sft_loss(logprob: Tensor) -> Tensor:
 
 def _old_logprob(rows: LossRows, old_logprob: Tensor | None, logprob: Tensor, name: str) -> Tensor:
     if old_logprob is not None:
-        _check_row_tensor(old_logprob, rows, "old_logprob")
+        check_row_tensor(old_logprob, rows, "old_logprob")
         return old_logprob.detach().to(logprob.dtype)
     if not rows.has_rollout_logprob:
         raise ValueError(
@@ -362,9 +355,9 @@ def compute_loss(
     ``clip_fraction`` / ``dual_clip_fraction``. Every value is a sum over global normalisers, so a
     step's value is the sum over its micro-batches.
     """
-    _check_row_tensor(logprob, rows, "logprob")
+    check_row_tensor(logprob, rows, "logprob")
     if entropy is not None:
-        _check_row_tensor(entropy, rows, "entropy")
+        check_row_tensor(entropy, rows, "entropy")
     elif config.entropy_coef > 0:
         raise ValueError("entropy_coef > 0 needs the per-row entropy, got entropy=None")
     mode = config.aggregation
