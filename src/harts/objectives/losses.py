@@ -128,7 +128,7 @@ def aggregate(per_row_loss: Tensor, rows: LossRows, mode: Aggregation, normalize
         # any subset of rows (a part of a cut tree) gets its exact share
         per_traj = rows.tokens_per_trajectory.to(dtype)[rows.trajectory]
         return (weighted / _nonzero(per_traj)).sum() / sequences
-    if normalizers.max_length is None:  # the one mode left: it needs_max_length
+    if normalizers.max_length is None:
         raise ValueError("SEQ_MEAN_TOKEN_SUM_NORM needs Normalizers.max_length (Dr. GRPO's constant)")
     return weighted.sum() / (normalizers.max_length * sequences)
 
