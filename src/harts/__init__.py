@@ -15,6 +15,7 @@ from harts.data.rollout_files import iter_rollout_steps, read_rollouts
 from harts.forest import Forest, build_forest
 from harts.objectives import (
     ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
     AdvantageEstimator,
     Aggregation,
     KLEstimator,
@@ -68,7 +69,7 @@ __all__ = [
     # objectives
     "Rollout", "LossRows", "build_loss_rows", "PolicyLossConfig", "LossKind", "Aggregation", "KLEstimator",
     "Normalizers", "normalizers_for", "estimate_advantages", "with_advantages", "AdvantageEstimator",
-    "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES",
     # MoE
     "MoEConfig", "MoEStats", "RouterRecorder", "moe_stats",
 ]  # fmt: skip

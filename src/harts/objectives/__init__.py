@@ -2,8 +2,9 @@
 
 ``rollout``: the input dataclass and its checks. ``rows``: one row per (trajectory, predicted
 position) over a forest. ``losses``: SFT, PPO/DAPO/dual clip, GSPO, KL, entropy, aggregation by
-global normalisers. ``advantages``: GRPO, Dr. GRPO, RLOO, tree, first-error-step and GAE
-estimators. ``values``: the critic's clipped value loss and explained variance.
+global normalisers, and their registry ``POLICY_LOSSES`` (what each kind reads and allows).
+``advantages``: GRPO, Dr. GRPO, RLOO, tree, first-error-step and GAE estimators, and their
+registry ``ADVANTAGE_ESTIMATORS``. ``values``: the critic's clipped value loss and explained variance.
 ``moe``: router statistics weighted by multiplicity (aux loss, expert counts). Everything here is
 a pure function of tensors, rows and forests: nothing calls a model (that is
 :func:`harts.rollout_step`'s job). Formulas and sources: ``docs/objectives.md``.
@@ -12,6 +13,7 @@ a pure function of tensors, rows and forests: nothing calls a model (that is
 from harts.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    EstimatorEntry,
     advantages_to_rollouts,
     dr_grpo_advantages,
     estimate_advantages,
@@ -30,6 +32,7 @@ from harts.objectives.losses import (
     LossKind,
     Normalizers,
     PolicyLossConfig,
+    PolicyLossEntry,
     aggregate,
     compute_loss,
     entropy_bonus,
@@ -63,10 +66,10 @@ __all__ = [
     "LossRows", "build_loss_rows", "unique_predictors",
     "Aggregation", "Normalizers", "normalizers_for", "aggregate",
     "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
-    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES",
+    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES", "PolicyLossEntry",
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
     "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS",
-    "estimate_advantages", "with_advantages", "advantages_to_rollouts",
+    "EstimatorEntry", "estimate_advantages", "with_advantages", "advantages_to_rollouts",
     "MoEConfig", "MoEStats", "load_balancing_loss", "routing_sums", "aux_loss_from_sums", "expert_counts",
     "bias_update",
     "ValueLossConfig", "value_loss", "clipped_value_loss", "explained_variance",

@@ -20,7 +20,7 @@ Shapes: B trajectories, G groups, M forest nodes, R rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -32,7 +32,7 @@ from harts.objectives.rows import LossRows
 
 __all__ = [
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
-    "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS",
+    "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "EstimatorEntry",
     "estimate_advantages", "with_advantages", "advantages_to_rollouts",
 ]  # fmt: skip
 
@@ -242,6 +242,32 @@ class AdvantageEstimator(StrEnum):
     GAE = "gae"
 
 
+@dataclass(frozen=True)
+class EstimatorEntry:
+    """One estimator in :data:`ADVANTAGE_ESTIMATORS`: its function and what it reads, which
+    ``harts train`` and ``harts rl`` read instead of testing names.
+
+    - ``estimate(rows, forest=None, **params) -> advantages [R]``; an entry is called like it.
+    - ``params``: the keyword parameters ``params`` may set (``objective.advantage_params`` in a config).
+    - ``needs_reward``: reads each trajectory's ``reward`` (GAE puts it on the last row, unless
+      ``token_rewards`` are given). Pitfall reads ``first_error_position`` instead, where given
+      (none: a success).
+    - ``needs_forest``: reads the forest the rows were built on (tree: values of subtrees).
+    - ``needs_critic``: reads a critic's rollout-time value at every row (``Rollout.values``; GAE).
+
+    The group estimators and tree's root baseline also read the rows' groups, which every rollout has.
+    """
+
+    estimate: Callable[..., Tensor]
+    params: tuple[str, ...] = ()
+    needs_reward: bool = True
+    needs_forest: bool = False
+    needs_critic: bool = False
+
+    def __call__(self, rows: LossRows, forest: Forest | None = None, **params) -> Tensor:
+        return self.estimate(rows, forest, **params)
+
+
 def _per_trajectory(fn):
     def run(rows: LossRows, forest: Forest | None = None, **params) -> Tensor:
         return fn(_rewards(rows, fn.__name__), rows.group, **params)[rows.trajectory]
@@ -259,14 +285,16 @@ def _pitfall(rows: LossRows, forest: Forest | None = None, **params) -> Tensor:
     return pitfall_advantages(rows, **params)
 
 
-# name -> fn(rows, forest=None, **params) -> advantages [R]
-ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, Callable[..., Tensor]] = {
-    AdvantageEstimator.GRPO: _per_trajectory(grpo_advantages),
-    AdvantageEstimator.DR_GRPO: _per_trajectory(dr_grpo_advantages),
-    AdvantageEstimator.RLOO: _per_trajectory(rloo_advantages),
-    AdvantageEstimator.TREE: _tree,
-    AdvantageEstimator.PITFALL: _pitfall,
-    AdvantageEstimator.GAE: _gae,
+#: name -> its entry. To add one: its function and one entry here.
+ADVANTAGE_ESTIMATORS: dict[AdvantageEstimator, EstimatorEntry] = {
+    AdvantageEstimator.GRPO: EstimatorEntry(_per_trajectory(grpo_advantages), params=("eps",)),
+    AdvantageEstimator.DR_GRPO: EstimatorEntry(_per_trajectory(dr_grpo_advantages)),
+    AdvantageEstimator.RLOO: EstimatorEntry(_per_trajectory(rloo_advantages)),
+    AdvantageEstimator.TREE: EstimatorEntry(_tree, needs_forest=True),
+    AdvantageEstimator.PITFALL: EstimatorEntry(_pitfall, params=("a_pos", "a_neg"), needs_reward=False),
+    AdvantageEstimator.GAE: EstimatorEntry(
+        _gae, params=("gamma", "lam", "token_rewards", "whiten"), needs_critic=True
+    ),
 }
 
 
@@ -290,8 +318,8 @@ def estimate_advantages(
     rows: LossRows, estimator: AdvantageEstimator | str, forest: Forest | None = None, **params
 ) -> LossRows:
     """Rows with advantages from the named estimator (``params`` go to it, e.g. ``eps``, ``a_neg``)."""
-    fn = ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)]
-    return with_advantages(rows, fn(rows, forest, **params))
+    entry = ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)]
+    return with_advantages(rows, entry(rows, forest, **params))
 
 
 def advantages_to_rollouts(

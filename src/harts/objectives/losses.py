@@ -23,12 +23,12 @@ from enum import StrEnum
 
 import torch
 
-from harts.objectives.rows import LossRows
+from harts.objectives.rows import LossRows, check_row_tensor
 
 __all__ = [
     "Aggregation", "Normalizers", "normalizers_for", "aggregate",
     "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
-    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES",
+    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES", "PolicyLossEntry",
 ]  # fmt: skip
 
 Tensor = torch.Tensor
@@ -49,6 +49,11 @@ class Aggregation(StrEnum):
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+    @property
+    def needs_max_length(self) -> bool:
+        """Whether this mode divides by Dr. GRPO's constant (``Normalizers.max_length``)."""
+        return self is Aggregation.SEQ_MEAN_TOKEN_SUM_NORM
 
 
 @dataclass(frozen=True)
@@ -102,13 +107,6 @@ def normalizers_for(
     return Normalizers(total_tokens=counts[0], total_sequences=counts[1], max_length=max_length)
 
 
-def _check_row_tensor(x: Tensor, rows: LossRows, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.shape != (rows.num_rows,):
-        raise ValueError(f"{name} must have shape [R] = ({rows.num_rows},), got {tuple(x.shape)}")
-
-
 def _nonzero(x: Tensor) -> Tensor:
     # A step without rows has a zero sum; divide it by 1, not 0.
     return torch.where(x > 0, x, torch.ones_like(x))
@@ -116,7 +114,7 @@ def _nonzero(x: Tensor) -> Tensor:
 
 def aggregate(per_row_loss: Tensor, rows: LossRows, mode: Aggregation, normalizers: Normalizers) -> Tensor:
     """Scalar loss of one micro-batch: weighted sum of ``per_row_loss`` [R] over global normalisers."""
-    _check_row_tensor(per_row_loss, rows, "per_row_loss")
+    check_row_tensor(per_row_loss, rows, "per_row_loss")
     mode = Aggregation(mode)
     dtype = per_row_loss.dtype
     weighted = per_row_loss * rows.weight.to(dtype)
@@ -143,7 +141,7 @@ def sft_loss(logprob: Tensor) -> Tensor:
 
 def _old_logprob(rows: LossRows, old_logprob: Tensor | None, logprob: Tensor, name: str) -> Tensor:
     if old_logprob is not None:
-        _check_row_tensor(old_logprob, rows, "old_logprob")
+        check_row_tensor(old_logprob, rows, "old_logprob")
         return old_logprob.detach().to(logprob.dtype)
     if not rows.has_rollout_logprob:
         raise ValueError(
@@ -270,6 +268,43 @@ class LossKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class PolicyLossEntry:
+    """One kind of policy loss in :data:`POLICY_LOSSES`: its per-row function and the facts about it
+    that the step (:func:`harts.forest_step`), ``harts train`` and ``harts rl`` read instead of
+    testing kinds. What every kind shares (the KL term's reference log-probs, the aggregation's
+    ``max_length``) is :class:`PolicyLossConfig`'s: ``needs_ref_logprobs``, ``needs_max_length``.
+
+    - ``per_row(logprob [R], rows, config, old_logprob [R] | None) -> (loss [R], {metric: bool [R]})``;
+      an entry is called like it.
+    - ``needs_advantages``: reads the rows' advantages (the rollouts' ``advantages``, or an estimator's).
+    - ``needs_behaviour_logprobs``: its ratio reads the behaviour policy's log-probs (the rollouts'
+      ``rollout_logprobs``, or ``old_logprob``).
+    - ``separable_rows``: the loss is a sum of per-row terms over the step's normalisers, so the
+      losses of any subsets of rows add up and a cut tree runs once; False where a trajectory's rows
+      are coupled (GSPO's sequence ratio).
+    - ``offline_only``: why it cannot learn from sampled rollouts (online RL, ``harts rl``); None
+      where it can.
+    - ``clip``: the default (``clip_low``, ``clip_high``); None where it reads no clip range.
+    - ``fields``: the :class:`PolicyLossConfig` fields only this kind reads; another kind refuses them.
+    """
+
+    per_row: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    needs_advantages: bool
+    needs_behaviour_logprobs: bool
+    separable_rows: bool = True
+    offline_only: str | None = None
+    clip: tuple[float, float] | None = None
+    fields: tuple[str, ...] = ()
+
+    @property
+    def online_rl(self) -> bool:
+        return self.offline_only is None
+
+    def __call__(self, logprob: Tensor, rows: LossRows, config: PolicyLossConfig, old_logprob=None):
+        return self.per_row(logprob, rows, config, old_logprob)
+
+
+@dataclass(frozen=True)
 class PolicyLossConfig:
     """The policy loss of a run.
 
@@ -278,7 +313,8 @@ class PolicyLossConfig:
     log-probs; ``entropy_coef`` scales the entropy bonus. All terms share ``aggregation``.
     ``temperature`` T: the policy is ``softmax(logits / T)``, the distribution an inference engine
     sampling at T drew the rollouts from (verl and TRL divide the logits by the rollout
-    temperature the same way); log-probs, ratios, KL and entropy all use it.
+    temperature the same way); log-probs, ratios, KL and entropy all use it. What the kind reads
+    and allows: :attr:`policy_loss`, its :data:`POLICY_LOSSES` entry.
     """
 
     kind: LossKind = LossKind.PPO
@@ -296,28 +332,38 @@ class PolicyLossConfig:
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
         for name, enum in (("kind", LossKind), ("kl_estimator", KLEstimator), ("aggregation", Aggregation)):
             object.__setattr__(self, name, enum(getattr(self, name)))
-        if self.dual_clip is not None and self.kind is not LossKind.PPO:
-            raise ValueError(f"dual_clip applies to PPO only, not {self.kind}")
-        default_low, default_high = _DEFAULT_CLIP.get(self.kind, (0.0, 0.0))
-        _check_clip(
-            default_low if self.clip_low is None else self.clip_low,
-            default_high if self.clip_high is None else self.clip_high,
-            self.dual_clip,
-        )
+        for name in sorted({f for entry in POLICY_LOSSES.values() for f in entry.fields}):
+            if getattr(self, name) is not None and name not in self.policy_loss.fields:
+                readers = "/".join(k.upper() for k, entry in POLICY_LOSSES.items() if name in entry.fields)
+                raise ValueError(f"{name} applies to {readers} only, not {self.kind}")
+        _check_clip(*self.clip(), self.dual_clip)
         if not (self.kl_coef >= 0 and self.entropy_coef >= 0):
             raise ValueError(
                 f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
             )
 
+    @property
+    def policy_loss(self) -> PolicyLossEntry:
+        """The kind's :data:`POLICY_LOSSES` entry: its function and what it reads."""
+        return POLICY_LOSSES[self.kind]
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """Whether a step reads the reference's log-probs (the rollouts' ``ref_logprobs``): a KL term."""
+        return self.kl_coef > 0
+
+    @property
+    def needs_max_length(self) -> bool:
+        """Whether the normalisers need Dr. GRPO's constant (``Normalizers.max_length``)."""
+        return self.aggregation.needs_max_length
+
     def clip(self) -> tuple[float, float]:
-        low, high = _DEFAULT_CLIP.get(self.kind, (0.0, 0.0))
+        """(clip_low, clip_high): the ones given, else the kind's defaults ((0, 0) for a kind without)."""
+        low, high = self.policy_loss.clip or (0.0, 0.0)
         return (
             low if self.clip_low is None else self.clip_low,
             high if self.clip_high is None else self.clip_high,
         )
-
-
-_DEFAULT_CLIP = {LossKind.PPO: (0.2, 0.2), LossKind.GSPO: (3e-4, 4e-4)}
 
 
 def _ppo_entry(logprob, rows, config, old_logprob):
@@ -337,11 +383,28 @@ def _sft_entry(logprob, rows, config, old_logprob):
     return sft_loss(logprob), {}
 
 
-# name -> fn(logprob [R], rows, config, old_logprob [R] | None) -> (loss [R], {metric: bool [R]})
-POLICY_LOSSES: dict[LossKind, Callable] = {
-    LossKind.PPO: _ppo_entry,
-    LossKind.GSPO: _gspo_entry,
-    LossKind.SFT: _sft_entry,
+#: kind -> its entry. To add a loss: its per-row function and one entry here (docs/architecture.md).
+POLICY_LOSSES: dict[LossKind, PolicyLossEntry] = {
+    LossKind.PPO: PolicyLossEntry(
+        _ppo_entry,
+        needs_advantages=True,
+        needs_behaviour_logprobs=True,
+        clip=(0.2, 0.2),
+        fields=("dual_clip",),
+    ),
+    LossKind.GSPO: PolicyLossEntry(
+        _gspo_entry,
+        needs_advantages=True,
+        needs_behaviour_logprobs=True,
+        separable_rows=False,  # the sequence ratio couples a trajectory's rows
+        clip=(3e-4, 4e-4),
+    ),
+    LossKind.SFT: PolicyLossEntry(
+        _sft_entry,
+        needs_advantages=False,
+        needs_behaviour_logprobs=False,
+        offline_only="has nothing to imitate in sampled rollouts",
+    ),
 }
 
 
@@ -362,13 +425,13 @@ def compute_loss(
     ``clip_fraction`` / ``dual_clip_fraction``. Every value is a sum over global normalisers, so a
     step's value is the sum over its micro-batches.
     """
-    _check_row_tensor(logprob, rows, "logprob")
+    check_row_tensor(logprob, rows, "logprob")
     if entropy is not None:
-        _check_row_tensor(entropy, rows, "entropy")
+        check_row_tensor(entropy, rows, "entropy")
     elif config.entropy_coef > 0:
         raise ValueError("entropy_coef > 0 needs the per-row entropy, got entropy=None")
     mode = config.aggregation
-    per_row, stats = POLICY_LOSSES[config.kind](logprob, rows, config, old_logprob)
+    per_row, stats = config.policy_loss(logprob, rows, config, old_logprob)
     policy = aggregate(per_row, rows, mode, normalizers)
     loss = policy
     metrics = {"policy_loss": policy.detach()}

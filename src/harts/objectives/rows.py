@@ -27,7 +27,7 @@ import torch
 from harts.forest import Forest
 from harts.objectives.rollout import Rollout, validate_rollouts
 
-__all__ = ["LossRows", "build_loss_rows", "unique_predictors"]
+__all__ = ["LossRows", "build_loss_rows", "unique_predictors", "check_row_tensor"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,3 +225,11 @@ def unique_predictors(rows: LossRows) -> tuple[torch.Tensor, torch.Tensor]:
     """
     unique_index, inverse = torch.unique(rows.predictor, sorted=True, return_inverse=True)
     return unique_index, inverse
+
+
+def check_row_tensor(x: torch.Tensor, rows: LossRows, name: str) -> None:
+    """Refuse ``x`` unless it is a tensor of one value per row of ``rows`` ([R]); errors name it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.shape != (rows.num_rows,):
+        raise ValueError(f"{name} must have shape [R] = ({rows.num_rows},), got {tuple(x.shape)}")

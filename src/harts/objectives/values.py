@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harts.objectives.losses import Aggregation, Normalizers, _check_row_tensor, aggregate
-from harts.objectives.rows import LossRows
+from harts.objectives.losses import Aggregation, Normalizers, aggregate
+from harts.objectives.rows import LossRows, check_row_tensor
 
 __all__ = ["ValueLossConfig", "value_loss", "clipped_value_loss", "check_value_rows", "explained_variance"]
 
@@ -63,7 +63,7 @@ def value_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar value loss of ``rows`` and detached metrics (module docstring); ``value`` [R] with
     autograd. Every value is a sum over global normalisers, so a step's is the sum of its parts'."""
-    _check_row_tensor(value, rows, "value")
+    check_row_tensor(value, rows, "value")
     check_value_rows(rows, config)
     dtype = value.dtype
     old = rows.rollout_value.to(dtype) if config.clip is not None else None

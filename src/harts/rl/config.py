@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from harts.objectives.losses import LossKind, PolicyLossConfig
+from harts.objectives.losses import POLICY_LOSSES, PolicyLossConfig
 from harts.rl.sampler import SamplingConfig
 from harts.rl.task import TaskConfig
 from harts.trainer.config import (
+    TRAIN_ESTIMATORS,
     CheckpointConfig,
     LoggingConfig,
     ModelConfig,
@@ -89,13 +90,14 @@ class RLConfig:
             raise ValueError(f"threads: expected a positive integer, got {self.threads}")
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm: expected >= 0, got {self.max_grad_norm}")
-        if self.objective.kind == LossKind.SFT.value:
-            raise ValueError(
-                "objective.kind: 'sft' has nothing to imitate in sampled rollouts; use ppo or gspo"
-            )
+        loss = self.objective.loss_config().policy_loss
+        if not loss.online_rl:
+            online = " or ".join(kind for kind, entry in POLICY_LOSSES.items() if entry.online_rl)
+            raise ValueError(f"objective.kind: {self.objective.kind!r} {loss.offline_only}; use {online}")
         if self.objective.advantage is None:
-            raise ValueError("objective.advantage: harts rl needs an estimator (grpo, dr_grpo, rloo, tree, "
-                             "pitfall): the sampled rollouts carry rewards, not advantages")  # fmt: skip
+            raise ValueError(f"objective.advantage: harts rl needs an estimator "
+                             f"({', '.join(TRAIN_ESTIMATORS)}): the sampled rollouts carry rewards, "
+                             f"not advantages")  # fmt: skip
         if self.objective.temperature not in (1.0, self.sampling.temperature):
             raise ValueError(f"objective.temperature = {self.objective.temperature} differs from "
                              f"sampling.temperature = {self.sampling.temperature}: the loss must read the "

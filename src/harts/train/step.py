@@ -32,8 +32,6 @@ from torch import nn
 from harts.adapters.base import MoEBalancing
 from harts.forest import Forest, build_forest
 from harts.objectives.losses import (
-    Aggregation,
-    LossKind,
     Normalizers,
     PolicyLossConfig,
     compute_loss,
@@ -78,18 +76,18 @@ def _check_inputs(
         raise ValueError(
             f"old_logprob must have shape [R] = ({rows.num_rows},), got {tuple(old_logprob.shape)}"
         )
-    if config.kind is not LossKind.SFT:
-        if not rows.has_advantage:
-            raise ValueError(f"{config.kind} needs advantages: give the rollouts advantages or use "
-                             f"estimate_advantages")  # fmt: skip
-        if old_logprob is None and not rows.has_rollout_logprob:
-            raise ValueError(
-                f"{config.kind} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs "
-                f"or pass old_logprob"
-            )
-    if config.kl_coef > 0 and not rows.has_ref_logprob:
+    loss = config.policy_loss
+    if loss.needs_advantages and not rows.has_advantage:
+        raise ValueError(f"{config.kind} needs advantages: give the rollouts advantages or use "
+                         f"estimate_advantages")  # fmt: skip
+    if loss.needs_behaviour_logprobs and old_logprob is None and not rows.has_rollout_logprob:
+        raise ValueError(
+            f"{config.kind} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs "
+            f"or pass old_logprob"
+        )
+    if config.needs_ref_logprobs and not rows.has_ref_logprob:
         raise ValueError("kl_coef > 0 needs reference log-probs: give the rollouts ref_logprobs")
-    if config.aggregation is Aggregation.SEQ_MEAN_TOKEN_SUM_NORM and normalizers.max_length is None:
+    if config.needs_max_length and normalizers.max_length is None:
         raise ValueError(
             "seq-mean-token-sum-norm needs Dr. GRPO's constant: pass normalizers_for(rows, max_length=...)"
         )
@@ -248,12 +246,13 @@ class _PolicyLoss:
     """``compute_loss`` over ``rows``; ``subset`` gives the same loss over some of them. Every
     objective is a sum over trajectories of each one's own rows over the step's normalisers, so the
     losses (and metrics) of subsets holding whole trajectories add up to the loss over all rows;
-    every objective but GSPO (whose sequence ratio couples a trajectory's rows) is even a sum of
-    per-row terms (``separable_rows``): subsets of any rows add up, so cut trees run once."""
+    a kind whose entry says ``separable_rows`` (every one but GSPO, whose sequence ratio couples a
+    trajectory's rows) is even a sum of per-row terms: subsets of any rows add up, so cut trees
+    run once."""
 
     def __init__(self, rows: LossRows, config, normalizers, old_logprob):
         self.rows, self.config, self.normalizers, self.old_logprob = rows, config, normalizers, old_logprob
-        self.separable_rows = config.kind is not LossKind.GSPO
+        self.separable_rows = config.policy_loss.separable_rows
 
     def __call__(self, logprob, entropy):
         return compute_loss(logprob, entropy, self.rows, self.config, self.normalizers, self.old_logprob)

@@ -31,23 +31,16 @@ move together.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Union, get_args, get_origin, get_type_hints
 
 from harts.adapters import FamilyUnavailable, adapter_for_type
-from harts.objectives.advantages import (
-    AdvantageEstimator,
-    dr_grpo_advantages,
-    grpo_advantages,
-    pitfall_advantages,
-    rloo_advantages,
-    tree_advantages,
-)
-from harts.objectives.losses import Aggregation, KLEstimator, LossKind, PolicyLossConfig
+from harts.objectives.advantages import ADVANTAGE_ESTIMATORS
+from harts.objectives.losses import PolicyLossConfig
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
 from harts.testing import ALL_FAMILIES
@@ -56,7 +49,7 @@ from harts.trainer.sections import EvalSection, LoRASection, SamplesSection, one
 __all__ = [
     "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
     "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "ReferenceSection", "PPOSection",
-    "LoRASection", "EvalSection", "SamplesSection", "BACKENDS",
+    "LoRASection", "EvalSection", "SamplesSection", "BACKENDS", "TRAIN_ESTIMATORS",
     "load_config", "parse_config", "DTYPES", "INITIAL",
 ]  # fmt: skip
 
@@ -101,72 +94,81 @@ class DataConfig:
         positive_int("data.rollouts_per_step", self.rollouts_per_step)
 
 
-# estimator name -> the function whose keyword parameters ``advantage_params`` may set
-_ESTIMATOR_FUNCTIONS = {
-    AdvantageEstimator.GRPO: grpo_advantages,
-    AdvantageEstimator.DR_GRPO: dr_grpo_advantages,
-    AdvantageEstimator.RLOO: rloo_advantages,
-    AdvantageEstimator.TREE: tree_advantages,
-    AdvantageEstimator.PITFALL: pitfall_advantages,
-}
-_ESTIMATOR_INPUTS = {"reward", "group", "forest", "rows"}
+#: the estimators ``objective.advantage`` may name: those that read no critic (harts train runs none)
+TRAIN_ESTIMATORS = tuple(name.value for name, entry in ADVANTAGE_ESTIMATORS.items() if not entry.needs_critic)
+
+
+def _enum(hint) -> type[StrEnum] | None:
+    return hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
+
+
+#: PolicyLossConfig's fields that take an enum (kind, kl_estimator, aggregation): in a file, its strings
+_LOSS_ENUMS = {name: enum for name, hint in get_type_hints(PolicyLossConfig).items() if (enum := _enum(hint))}
+
+
+def _loss_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    """:class:`harts.PolicyLossConfig`'s fields as file keys: an enum field takes its value's string."""
+    hints = get_type_hints(PolicyLossConfig)
+    out = []
+    for f in dataclasses.fields(PolicyLossConfig):
+        default = f.default.value if isinstance(f.default, StrEnum) else f.default
+        keyed = field(default=default, default_factory=f.default_factory)
+        out.append((f.name, str if f.name in _LOSS_ENUMS else hints[f.name], keyed))
+    return out
+
+
+# the loss's keys, read from PolicyLossConfig so that a field it gains is a key of [objective] too
+_LossKeys = dataclasses.make_dataclass("_LossKeys", _loss_fields(), frozen=True)
+_LossKeys.__module__ = __name__
 
 
 @dataclass(frozen=True)
-class ObjectiveConfig:
-    """The loss: :class:`harts.PolicyLossConfig`'s fields, and how the step gets its advantages.
+class ObjectiveConfig(_LossKeys):
+    """The loss: :class:`harts.PolicyLossConfig`'s fields (its enums as their strings), and how the
+    step gets its advantages.
 
-    ``advantage`` names an estimator (``harts.ADVANTAGE_ESTIMATORS``) run on each step's rows
-    from the rollouts' rewards and group ids; ``max_length`` is Dr. GRPO's constant for the
-    ``seq-mean-token-sum-norm`` aggregation.
+    ``advantage`` names an estimator (``harts.ADVANTAGE_ESTIMATORS``, one of ``TRAIN_ESTIMATORS``)
+    run on each step's rows from the rollouts' rewards and group ids, with ``advantage_params`` its
+    declared parameters; ``max_length`` is Dr. GRPO's constant for the ``seq-mean-token-sum-norm``
+    aggregation.
     """
 
-    kind: str = "ppo"
-    clip_low: float | None = None
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
-    temperature: float = 1.0
     advantage: str | None = None
     advantage_params: dict = field(default_factory=dict)
     max_length: float | None = None
 
     def __post_init__(self):
-        one_of("objective.kind", self.kind, [k.value for k in LossKind])
-        one_of("objective.kl_estimator", self.kl_estimator, [k.value for k in KLEstimator])
-        one_of("objective.aggregation", self.aggregation, [a.value for a in Aggregation])
+        for name, enum in _LOSS_ENUMS.items():  # kind: the names of harts.POLICY_LOSSES
+            one_of(f"objective.{name}", getattr(self, name), [e.value for e in enum])
         try:
-            self.loss_config()
+            loss = self.loss_config()
         except ValueError as exc:
             raise ValueError(f"objective: {exc}") from None
         if self.advantage is None:
             if self.advantage_params:
                 raise ValueError("objective.advantage_params: set objective.advantage to use them")
         else:
-            if self.advantage == AdvantageEstimator.GAE.value:
+            entry = ADVANTAGE_ESTIMATORS.get(self.advantage)
+            if entry is not None and entry.needs_critic:
                 raise ValueError(
-                    "objective.advantage: gae needs a critic's values at every token, and harts train "
-                    "runs no critic; estimate GAE in Python (harts.forward_values, then "
-                    "harts.estimate_advantages(rows, 'gae', ...) and harts.value_step for the critic)"
+                    f"objective.advantage: {self.advantage} needs a critic's values at every token, and "
+                    f"harts train runs no critic; estimate {self.advantage} in Python (harts.forward_values, "
+                    f"then harts.estimate_advantages(rows, '{self.advantage}', ...) and harts.value_step for "
+                    f"the critic)"
                 )
-            one_of("objective.advantage", self.advantage, [a.value for a in _ESTIMATOR_FUNCTIONS])
-            fn = _ESTIMATOR_FUNCTIONS[AdvantageEstimator(self.advantage)]
-            allowed = [p for p in inspect.signature(fn).parameters if p not in _ESTIMATOR_INPUTS]
+            one_of("objective.advantage", self.advantage, TRAIN_ESTIMATORS)
             for name, value in self.advantage_params.items():
-                if name not in allowed:
+                if name not in entry.params:
                     raise ValueError(
                         f"objective.advantage_params: {self.advantage} takes no parameter {name!r}; "
-                        f"valid: {', '.join(allowed) or 'none'}"
+                        f"valid: {', '.join(entry.params) or 'none'}"
                     )
                 _convert(f"objective.advantage_params.{name}", value, float)
         if self.max_length is not None and not self.max_length > 0:
             raise ValueError(f"objective.max_length: expected a positive number, got {self.max_length}")
-        if self.aggregation == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM.value and self.max_length is None:
-            raise ValueError("objective.max_length: seq-mean-token-sum-norm needs Dr. GRPO's constant "
-                             "(e.g. the generation budget in tokens)")  # fmt: skip
+        if loss.needs_max_length and self.max_length is None:
+            raise ValueError(f"objective.max_length: {self.aggregation} needs Dr. GRPO's constant "
+                             f"(e.g. the generation budget in tokens)")  # fmt: skip
 
     def loss_config(self) -> PolicyLossConfig:
         names = {f.name for f in dataclasses.fields(PolicyLossConfig)}

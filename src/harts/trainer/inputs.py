@@ -29,11 +29,10 @@ import numpy as np
 import torch
 
 from harts.data.rollout_files import iter_file_steps, iter_rollout_steps
-from harts.objectives.advantages import AdvantageEstimator
-from harts.objectives.losses import LossKind
+from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
 from harts.testing import tiny_config, tiny_model
-from harts.trainer.config import DataConfig, ModelConfig, ObjectiveConfig, PPOSection
+from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
 __all__ = [
     "Position", "load_model", "own_memory", "rollout_steps", "count_steps", "data_stream", "fingerprint",
@@ -208,21 +207,21 @@ def _needs(objective: ObjectiveConfig, reference: bool = False,
     if estimator is not None:
         why = f"objective.advantage = {estimator!r} estimates the advantages, but this line has its own"
         needs.append(("advantages", False, f"{why}: remove one of them"))
-        if AdvantageEstimator(estimator) is not AdvantageEstimator.PITFALL:
+        if ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)].needs_reward:
             needs.append(("reward", True, f"objective.advantage = {estimator!r} reads each rollout's reward"))
-    elif loss.kind is not LossKind.SFT:
-        estimators = ", ".join(a.value for a in AdvantageEstimator)
+    elif loss.policy_loss.needs_advantages:
+        estimators = ", ".join(TRAIN_ESTIMATORS)
         needs.append(("advantages", True, f"objective.kind = {kind!r} needs advantages: give every line "
                                           f"'advantages', or set objective.advantage ({estimators}) to "
                                           f"estimate them from rewards"))  # fmt: skip
-    if loss.kind is not LossKind.SFT and (ppo is None or ppo.old_logprobs == "rollout"):
+    if loss.policy_loss.needs_behaviour_logprobs and (ppo is None or ppo.old_logprobs == "rollout"):
         how = "" if ppo is None else " (ppo.old_logprobs = 'rollout')"
         why = f"objective.kind = {kind!r} needs the sampler's log-probs{how}"
         needs.append(("rollout_logprobs", True, why))
-    if loss.kl_coef > 0 and reference:
+    if loss.needs_ref_logprobs and reference:
         needs.append(("ref_logprobs", False, "[reference] computes the reference log-probs: remove the "
                                              "file's or the [reference] section"))  # fmt: skip
-    elif loss.kl_coef > 0:
+    elif loss.needs_ref_logprobs:
         needs.append(("ref_logprobs", True, f"objective.kl_coef = {loss.kl_coef} needs reference log-probs "
                                             f"(or a [reference] section to compute them)"))  # fmt: skip
     return needs
@@ -242,8 +241,9 @@ def check_data(
     Every line as :func:`harts.iter_rollout_steps` reads it (its fields, misspelled names, lengths,
     NaN/inf, log-probs, groups on consecutive lines, the same annotations within each step) with
     token ids below ``vocab_size`` (the model's), and, given ``objective``, the fields it needs on
-    every line (advantages or rewards unless SFT, ``rollout_logprobs`` for PPO and GSPO,
-    ``ref_logprobs`` for a KL term, unless ``reference`` or ``ppo`` computes them), and at least
+    every line (what its loss kind and estimator declare, ``harts.POLICY_LOSSES`` and
+    ``harts.ADVANTAGE_ESTIMATORS``: advantages or rewards, the sampler's ``rollout_logprobs``;
+    ``ref_logprobs`` for a KL term; unless ``reference`` or ``ppo`` computes them), and at least
     ``ppo.mini_batches`` groups in every step (a group is never split). A ValueError names the
     file, the line and the step.
     """

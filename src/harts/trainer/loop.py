@@ -38,7 +38,7 @@ from harts.adapters import adapter_for
 from harts.adapters.base import MoEBalancing
 from harts.forest import Forest
 from harts.objectives.advantages import estimate_advantages
-from harts.objectives.losses import LossKind, PolicyLossConfig, normalizers_for
+from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
@@ -48,7 +48,7 @@ from harts.runtime.step import StepResult
 from harts.train.moe import resolve_aux_coef
 from harts.train.step import forest_step, step_inputs
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
-from harts.trainer.config import ObjectiveConfig, TrainConfig
+from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
 from harts.trainer.distributed import (
     Ranks,
     full_model_state,
@@ -125,9 +125,9 @@ def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig
             raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
                              f"advantages already: remove one of them")  # fmt: skip
         rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
-    elif loss.kind is not LossKind.SFT and not rows.has_advantage:
+    elif loss.policy_loss.needs_advantages and not rows.has_advantage:
         raise ValueError(f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
-                         f"none: set objective.advantage (grpo, dr_grpo, rloo, tree, pitfall) to estimate "
+                         f"none: set objective.advantage ({', '.join(TRAIN_ESTIMATORS)}) to estimate "
                          f"them from rewards")  # fmt: skip
     if ranks is None:
         return forest, rows, forest, rows

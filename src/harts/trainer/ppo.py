@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from harts.objectives.advantages import advantages_to_rollouts, estimate_advantages
-from harts.objectives.losses import LossKind
 from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.forward_only import forest_logprobs
@@ -134,7 +133,8 @@ class StepUpdates:
             if config.objective.advantage is not None:
                 rollouts = with_advantages(policy, rollouts, config.objective)
                 self.objective = dataclasses.replace(config.objective, advantage=None, advantage_params={})
-            if self.ppo.old_logprobs == "policy" and config.objective.loss_config().kind is not LossKind.SFT:
+            reads_old = config.objective.loss_config().policy_loss.needs_behaviour_logprobs
+            if self.ppo.old_logprobs == "policy" and reads_old:
                 if saved_old is None:
                     rollouts = with_logprobs(policy, rollouts, "rollout_logprobs", run, temperature)
                 else:
