@@ -276,6 +276,7 @@ def main() -> None:
             dist.all_gather_object(results, mine)
         if dist.get_rank() == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
         dist.destroy_process_group()
 

@@ -369,6 +369,7 @@ def main() -> None:
         dist.all_gather_object(results, mine)
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
         dist.destroy_process_group()
 

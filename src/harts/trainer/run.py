@@ -146,14 +146,18 @@ class Run:
         threads = torch.get_num_threads()
         if config.threads:
             torch.set_num_threads(config.threads)
-        run = None
+        run, finished = None, False
         try:
             run = cls(config, out, sys.stderr if log is None else log, **options)
             with run_lock(out, cls.command) if run.main else contextlib.nullcontext():
-                return run.run(resume)
+                result = run.run(resume)
+            finished = True
+            return result
         finally:
             torch.set_num_threads(threads)
             if run is not None and run.ranks is not None and torch.distributed.is_initialized():
+                if finished:  # every rank is here: none closes its connections while a peer still reads
+                    torch.distributed.barrier()
                 torch.distributed.destroy_process_group()
 
     @property
