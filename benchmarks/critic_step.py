@@ -24,7 +24,7 @@ from transformers import AutoModelForTokenClassification
 
 import harts
 from harts.data.synthetic import star
-from harts.testing import tiny_config
+from harts.tiny import tiny_config
 
 SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)  # harts bench's "small" widths
 

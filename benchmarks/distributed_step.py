@@ -29,7 +29,7 @@ import torch.distributed as dist
 import harts
 from harts.data import synthetic
 from harts.plan.ranks import assign_trees
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.trainer.distributed import rank_cost
 
 

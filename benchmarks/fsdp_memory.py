@@ -180,7 +180,7 @@ def measure(variant: str, a: argparse.Namespace, mine: list, rounds: int) -> dic
 
     import harts
     from harts.bench.memory import tensor_peak_bytes
-    from harts.testing import tiny_model
+    from harts.tiny import tiny_model
 
     model = tiny_model(a.family, seed=0, **model_overrides(a.family, a))
     if variant == "stock_floor":
@@ -230,7 +230,7 @@ def worker(a: argparse.Namespace) -> None:
     import harts
     from harts.data.synthetic import agentic
     from harts.plan.ranks import assign_trees
-    from harts.testing import tiny_model
+    from harts.tiny import tiny_model
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.dist_timeout))

@@ -25,7 +25,7 @@ import time
 import torch
 
 from harts.integrations import batch_logprobs
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 
 def make_batch(args, vocab: int):

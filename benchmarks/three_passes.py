@@ -25,7 +25,7 @@ import torch
 
 import harts
 from harts.data.synthetic import scaled
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)  # harts bench's "small" widths
 SMALL_EXTRA = {

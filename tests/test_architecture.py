@@ -28,7 +28,7 @@ ALLOWED = {
     "adapters": {"batch_layout", "forest", "plan", "ops", "adapters"},
     "runtime": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime"},
     "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
-    "testing": {"adapters", "testing"},
+    "tiny": {"adapters", "tiny"},
 }
 # training runs (harts train): every layer above and the tiny models; nothing below imports it
 ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
 from tests.precision import errors, model_of, no_worse_failures, stock, summary, tree, truth
 from tests.reference import LOGIT_ATOL, gradient_failures

@@ -45,7 +45,7 @@ from harts.rl.sampler import TreeSample, sample_tree
 from harts.rl.task import build_task
 from harts.runtime.config import RunConfig
 from harts.runtime.step import StepResult
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.train.step import rollout_step, step_inputs
 from harts.trainer.checkpoint import Checkpoint
 from harts.trainer.config import ObjectiveConfig
