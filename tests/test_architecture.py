@@ -1,4 +1,4 @@
-"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train <- trainer; objectives pure.
+"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- steps <- trainer; objectives pure.
 
 ``batch_layout`` (where trajectories sit in padded or packed tensors) sits with the forest, below
 everything.
@@ -27,15 +27,15 @@ ALLOWED = {
     "ops": {"batch_layout", "forest", "plan", "ops"},
     "adapters": {"batch_layout", "forest", "plan", "ops", "adapters"},
     "runtime": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime"},
-    "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
+    "steps": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "steps"},
     "tiny": {"adapters", "tiny"},
 }
 # training runs (harts train): every layer above and the tiny models; nothing below imports it
 ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}
 # online RL (harts rl): a layer above the training run, whose pieces it reuses; trainer never imports it
 ALLOWED["rl"] = ALLOWED["trainer"] | {"rl"}
-# RL stacks' batches (TRL, verl) through the step: above train, beside the trainer, which never needs it
-ALLOWED["integrations"] = ALLOWED["train"] | {"integrations"}
+# RL stacks' batches (TRL, verl) through the step: above steps, beside the trainer, which never needs it
+ALLOWED["integrations"] = ALLOWED["steps"] | {"integrations"}
 TOOLS = {"bench", "demo", "cli", "analyze", "__init__", "__main__"}
 
 

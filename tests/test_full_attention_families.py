@@ -21,8 +21,8 @@ import torch
 import harts
 from harts.adapters.base import MoEBalancing, adapter_for, registered_adapter, supported_families
 from harts.runtime.routers import RouterRecorder
+from harts.steps.router_statistics import moe_stats
 from harts.tiny import ALL_FAMILIES, tiny_model
-from harts.train.moe import moe_stats
 from tests.helpers import EDGE_SHAPES, MOE_FORESTS, loop_counts
 from tests.reference import cached_model
 

@@ -52,7 +52,7 @@ from harts.runtime import (
     next_token_rows,
     score,
 )
-from harts.train import forest_step, moe_stats, rollout_step, value_step
+from harts.steps import forest_step, moe_stats, rollout_step, value_step
 
 __all__ = [
     # forests and plans

@@ -47,7 +47,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.executor import forward
 from harts.runtime.forward_only import forest_row_logprobs
 from harts.runtime.step import StepResult
-from harts.train.step import forest_step, step_inputs
+from harts.steps.policy import forest_step, step_inputs
 
 __all__ = [
     "StdMode", "group_advantages", "BatchLogprobs", "batch_logprobs", "BatchStepResult", "batch_step",

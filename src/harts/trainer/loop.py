@@ -45,8 +45,8 @@ from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
 from harts.runtime.step import StepResult
-from harts.train.moe import resolve_aux_coef
-from harts.train.step import forest_step, step_inputs
+from harts.steps.policy import forest_step, step_inputs
+from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
 from harts.trainer.distributed import (
@@ -93,7 +93,7 @@ def train_step(
     ranks: Ranks | None = None,
 ) -> tuple[StepResult, Forest]:
     """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
-    path (:func:`~harts.train.step.step_inputs`, then :func:`harts.forest_step`) with the advantages
+    path (:func:`~harts.steps.policy.step_inputs`, then :func:`harts.forest_step`) with the advantages
     estimated on the step's rows in between when ``objective.advantage`` names an estimator.
 
     With ``ranks``, ``model`` is the wrapped model: every rank checks the whole step and

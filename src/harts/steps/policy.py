@@ -45,7 +45,7 @@ from harts.runtime.distributed import DataParallel, data_parallel, data_parallel
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.step import StepResult, forest_backward
-from harts.train.moe import MoEObserver, resolve_aux_coef
+from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
 
 __all__ = ["rollout_step", "forest_step", "step_inputs"]
 

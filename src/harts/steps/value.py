@@ -30,7 +30,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.readout import ScalarReadout, scalar_head
 from harts.runtime.step import StepResult, forest_backward
-from harts.train.step import step_inputs
+from harts.steps.policy import step_inputs
 
 __all__ = ["value_step"]
 
