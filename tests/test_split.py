@@ -19,7 +19,7 @@ import torch
 
 import harts
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
-from harts.runtime.step import forest_backward, next_token_rows
+from harts.runtime.backward import forest_backward, next_token_rows
 from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (

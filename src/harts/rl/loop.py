@@ -43,8 +43,8 @@ from harts.rl.config import Layout, RLConfig
 from harts.rl.report import PLOTTED, progress_line
 from harts.rl.sampler import TreeSample, sample_tree
 from harts.rl.task import build_task
+from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
-from harts.runtime.step import StepResult
 from harts.steps.policy import rollout_step, step_inputs
 from harts.tiny import tiny_model
 from harts.trainer.checkpoint import Checkpoint

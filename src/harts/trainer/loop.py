@@ -41,10 +41,10 @@ from harts.objectives.advantages import estimate_advantages
 from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
+from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
-from harts.runtime.step import StepResult
 from harts.steps.policy import forest_step, step_inputs
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints

@@ -32,8 +32,8 @@ import torch
 
 from harts.objectives.moe import bias_update
 from harts.ops.backends import resolve_backend
+from harts.runtime.backward import StepResult
 from harts.runtime.executor import model_device
-from harts.runtime.step import StepResult
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.distributed import STATE_DIR, RankFailure, Ranks, load_state, plain_class
 from harts.trainer.inputs import quiet_transformers
