@@ -30,7 +30,7 @@ import harts
 from harts.data import synthetic
 from harts.plan.ranks import assign_trees
 from harts.tiny import tiny_model
-from harts.trainer.distributed import rank_cost
+from harts.trainer.processes import rank_cost
 
 
 def shard(family: str) -> torch.nn.Module:

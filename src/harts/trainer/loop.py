@@ -49,15 +49,6 @@ from harts.steps.policy import forest_step, step_inputs
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
-from harts.trainer.distributed import (
-    Ranks,
-    full_model_state,
-    local_rollouts,
-    rank_cost,
-    save_state,
-    start_ranks,
-    wrap_model,
-)
 from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
@@ -76,6 +67,15 @@ from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
+from harts.trainer.processes import (
+    Ranks,
+    full_model_state,
+    local_rollouts,
+    rank_cost,
+    save_state,
+    start_ranks,
+    wrap_model,
+)
 from harts.trainer.progress import MetricsLog
 from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
