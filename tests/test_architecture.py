@@ -1,6 +1,6 @@
 """Imports run one way: forest <- plan <- ops <- adapters <- runtime <- steps <- trainer; objectives pure.
 
-``batch_layout`` (where trajectories sit in padded or packed tensors) sits with the forest, below
+``batch_positions`` (where trajectories sit in padded or packed tensors) sits with the forest, below
 everything.
 
 Each harts module belongs to a layer and may import only its own and lower layers (read from the
@@ -19,15 +19,15 @@ import harts
 SRC = Path(harts.__file__).parent
 # layer -> the layers it may import (its own included)
 ALLOWED = {
-    "batch_layout": {"batch_layout"},
-    "forest": {"batch_layout", "forest"},
-    "data": {"batch_layout", "forest", "objectives", "data"},
-    "objectives": {"batch_layout", "forest", "objectives"},
-    "plan": {"batch_layout", "forest", "plan"},
-    "ops": {"batch_layout", "forest", "plan", "ops"},
-    "adapters": {"batch_layout", "forest", "plan", "ops", "adapters"},
-    "runtime": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime"},
-    "steps": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "steps"},
+    "batch_positions": {"batch_positions"},
+    "forest": {"batch_positions", "forest"},
+    "data": {"batch_positions", "forest", "objectives", "data"},
+    "objectives": {"batch_positions", "forest", "objectives"},
+    "plan": {"batch_positions", "forest", "plan"},
+    "ops": {"batch_positions", "forest", "plan", "ops"},
+    "adapters": {"batch_positions", "forest", "plan", "ops", "adapters"},
+    "runtime": {"batch_positions", "forest", "plan", "ops", "adapters", "runtime"},
+    "steps": {"batch_positions", "forest", "plan", "ops", "adapters", "runtime", "objectives", "steps"},
     "tiny": {"adapters", "tiny"},
 }
 # training runs (harts train): every layer above and the tiny models; nothing below imports it

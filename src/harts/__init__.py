@@ -10,7 +10,7 @@ batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows
 
 from harts.adapters import supported_families
 from harts.adapters.value_head import ValueHead
-from harts.batch_layout import BatchLayout
+from harts.batch_positions import BatchLayout
 from harts.data.rollout_files import iter_rollout_steps, read_rollouts
 from harts.forest import Forest, build_forest
 from harts.objectives import (

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from harts.batch_layout import BatchLayout, batch_layout
+from harts.batch_positions import BatchLayout, batch_layout
 from harts.forest import Forest, build_forest
 from harts.objectives.losses import Aggregation, Normalizers, PolicyLossConfig, normalizers_for
 from harts.objectives.rollout import BatchRollouts, Rollout

@@ -63,7 +63,7 @@ except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError("harts.integrations.trl needs TRL: pip install 'harts[trl]'") from err
 
 from harts.adapters import supported_families
-from harts.batch_layout import batch_layout
+from harts.batch_positions import batch_layout
 from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
 from harts.ops.precision import no_autocast
