@@ -20,7 +20,7 @@ runs and bounds under CPU autocast), and here the bf16-parameter mode of every f
 exercised on every machine. With
 ``HARTS_GPU_REPORT=path`` each test merges its family's figures (per mode, stock and harts: worst
 log-prob error, lowest logit cosine, gradient relative error, and the bounds' misses) into that
-JSON file; ``python benchmarks/gpu_precision_table.py path`` prints them as a table.
+JSON file; ``python -m harts.bench.gpu_precision_table path`` prints them as a table.
 """
 
 from __future__ import annotations
