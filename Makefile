@@ -93,7 +93,7 @@ gpu-check:
 	fi
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests tests_kernels benchmarks examples
+	$(VENV)/bin/ruff check src tests tests_kernels examples
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

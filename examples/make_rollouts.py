@@ -21,7 +21,7 @@ import torch
 
 import harts
 from harts.data.synthetic import agentic
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 SYSTEM, USER = 96, 16
 SHAPE = dict(system_len=SYSTEM, user_len=USER, num_tasks=4, rollouts_per_task=4, turns=3, turn_len=30)

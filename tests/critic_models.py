@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 import harts
-from harts.testing import FAMILIES, tiny_config, tiny_model
+from harts.tiny import FAMILIES, tiny_config, tiny_model
 from tests.reference import exact_linear_kernels
 
 # full attention; Gated DeltaNet + gated attention, MoE; KDA + MLA, MoE (through harts.ValueHead)

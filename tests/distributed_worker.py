@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import harts
 from harts.plan.ranks import assign_trees
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 LOSS = harts.PolicyLossConfig(kind="ppo")
 

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 
 VOCAB = 128  # the tiny models' vocabulary: random tokens are drawn from [3, VOCAB)
 
@@ -70,7 +70,7 @@ needs_bf16_attention = pytest.mark.skipif(
 # ---- test_train_resume, test_train_run ---------------------------------------------------------
 # Configs for the ``harts train`` tests: a TOML file over the example rollouts, any family.
 # The tests run on every supported transformers version, so the family comes from
-# ``harts.testing.FAMILIES`` (what the installed version has), not from the example's
+# ``harts.tiny.FAMILIES`` (what the installed version has), not from the example's
 # bailing_hybrid. One thread keeps the runs deterministic and fast on a shared 2-core machine.
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_ROLLOUTS = ROOT / "examples" / "rollouts.jsonl"

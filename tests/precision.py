@@ -19,7 +19,7 @@ import math
 import torch
 
 import harts
-from harts.testing import tiny_config, tiny_model
+from harts.tiny import tiny_config, tiny_model
 from tests.reference import exact_linear_kernels, fp64_copy, param_grads
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

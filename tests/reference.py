@@ -27,7 +27,7 @@ import torch
 
 from harts.adapters import adapter_for_type
 from harts.ops.delta_rule import naive_recurrent_gated_delta_rule
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 LOGIT_ATOL = 1e-4  # fp32 max |logit diff| (docs/architecture.md, "References and tolerances")
 GRAD_RTOL = 1e-4  # fp32 gradient relative error (same section)

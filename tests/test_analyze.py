@@ -9,7 +9,7 @@ from harts.analyze import forest_svg, main
 from harts.cli import main as cli
 from harts.data.synthetic import agentic
 from harts.forest import build_forest
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 
 
 def _file(tmp_path):

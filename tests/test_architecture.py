@@ -1,6 +1,6 @@
-"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- train <- trainer; objectives pure.
+"""Imports run one way: forest <- plan <- ops <- adapters <- runtime <- steps <- trainer; objectives pure.
 
-``batch_layout`` (where trajectories sit in padded or packed tensors) sits with the forest, below
+``batch_positions`` (where trajectories sit in padded or packed tensors) sits with the forest, below
 everything.
 
 Each harts module belongs to a layer and may import only its own and lower layers (read from the
@@ -19,23 +19,23 @@ import harts
 SRC = Path(harts.__file__).parent
 # layer -> the layers it may import (its own included)
 ALLOWED = {
-    "batch_layout": {"batch_layout"},
-    "forest": {"batch_layout", "forest"},
-    "data": {"batch_layout", "forest", "objectives", "data"},
-    "objectives": {"batch_layout", "forest", "objectives"},
-    "plan": {"batch_layout", "forest", "plan"},
-    "ops": {"batch_layout", "forest", "plan", "ops"},
-    "adapters": {"batch_layout", "forest", "plan", "ops", "adapters"},
-    "runtime": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime"},
-    "train": {"batch_layout", "forest", "plan", "ops", "adapters", "runtime", "objectives", "train"},
-    "testing": {"adapters", "testing"},
+    "batch_positions": {"batch_positions"},
+    "forest": {"batch_positions", "forest"},
+    "data": {"batch_positions", "forest", "objectives", "data"},
+    "objectives": {"batch_positions", "forest", "objectives"},
+    "plan": {"batch_positions", "forest", "plan"},
+    "ops": {"batch_positions", "forest", "plan", "ops"},
+    "adapters": {"batch_positions", "forest", "plan", "ops", "adapters"},
+    "runtime": {"batch_positions", "forest", "plan", "ops", "adapters", "runtime"},
+    "steps": {"batch_positions", "forest", "plan", "ops", "adapters", "runtime", "objectives", "steps"},
+    "tiny": {"adapters", "tiny"},
 }
 # training runs (harts train): every layer above and the tiny models; nothing below imports it
 ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}
 # online RL (harts rl): a layer above the training run, whose pieces it reuses; trainer never imports it
 ALLOWED["rl"] = ALLOWED["trainer"] | {"rl"}
-# RL stacks' batches (TRL, verl) through the step: above train, beside the trainer, which never needs it
-ALLOWED["integrations"] = ALLOWED["train"] | {"integrations"}
+# RL stacks' batches (TRL, verl) through the step: above steps, beside the trainer, which never needs it
+ALLOWED["integrations"] = ALLOWED["steps"] | {"integrations"}
 TOOLS = {"bench", "demo", "cli", "analyze", "__init__", "__main__"}
 
 
@@ -116,6 +116,6 @@ def test_no_import_cycles_between_modules():
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The check can fail: an ops module importing the runtime is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from harts.runtime.step import forest_backward\n")
-    assert harts_imports(bad) == ["harts.runtime.step"]
-    assert layer_of("harts.runtime.step") not in ALLOWED["ops"]
+    bad.write_text("from harts.runtime.backward import forest_backward\n")
+    assert harts_imports(bad) == ["harts.runtime.backward"]
+    assert layer_of("harts.runtime.backward") not in ALLOWED["ops"]

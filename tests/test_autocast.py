@@ -41,7 +41,7 @@ import torch
 
 import harts
 from harts.integrations import batch_step
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
 from tests.precision import (
     SUM,

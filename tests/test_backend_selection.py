@@ -18,7 +18,7 @@ from harts.ops.backends import Backend, register_backend, resolve_backend, use_b
 from harts.ops.delta_rule import chunked_gated_delta_rule
 from harts.ops.recurrence import DELTA_RULE
 from harts.ops.tree_attention import tree_attention
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 TRAJECTORIES = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12, 13], [5, 6, 14, 15, 16, 17, 18, 19]]
 

@@ -16,7 +16,7 @@ from harts.bench.report import markdown, write_outputs
 from harts.bench.run import run, run_case
 from harts.data.synthetic import scaled
 from harts.plan.linear import plan_linear
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 ROW_FIELDS = {
     "family",

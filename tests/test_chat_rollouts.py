@@ -16,7 +16,7 @@ import pytest
 import harts
 from harts.data.chat import check_messages, tokenize_chat
 from harts.data.rollout_files import iter_rollout_steps, iter_rollouts, read_rollouts
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.helpers import CHAT_TEMPLATE, CONVERSATION, WEATHER_CALL, save_tokenizer
 
 # drops the reasoning of every assistant turn but the last, as some reasoning models' templates do

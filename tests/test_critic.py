@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import harts
-from harts.testing import FAMILIES, tiny_config, tiny_model
+from harts.tiny import FAMILIES, tiny_config, tiny_model
 from tests.critic_models import CRITIC_FAMILIES, REWARD_FAMILIES, critic, reward_model, stock_outputs
 from tests.helpers import EDGE_SHAPES
 from tests.reference import LOGIT_ATOL

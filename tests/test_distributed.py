@@ -20,7 +20,7 @@ import torch
 
 import harts
 from harts.plan.ranks import RankCost, assign_trees
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from tests.distributed_worker import VARIANTS, reference, variants_for
 from tests.helpers import one_thread, write_config  # noqa: F401 (fixture)
 

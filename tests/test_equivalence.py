@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
     GRAD_RTOL,

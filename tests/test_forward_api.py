@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import harts
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch
 
 import harts
 from harts.bench.memory import tensor_peak_bytes
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from tests.helpers import EDGE_SHAPES
 from tests.reference import LOGIT_ATOL, cached_model, exact_linear_kernels, fp64_copy, stock_logits
 

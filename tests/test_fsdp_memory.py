@@ -1,6 +1,6 @@
 """What an FSDP2 rank holds during harts' step, measured in bytes against the stock FSDP2 step.
 
-`benchmarks/fsdp_memory.py` runs both on the same rollouts on 2 gloo ranks (the stock step: the
+`python -m harts.bench.fsdp_memory` runs both on the same rollouts on 2 gloo ranks (the stock step: the
 FSDP2 module's own forward and backward per trajectory) and profiles the CPU allocator. The
 bound is the one docs/distributed.md states for the tree step: a rank's tensor peak at most
 1.25x the stock step's, and what it holds of parameters and gradients after the step its shards
@@ -29,13 +29,13 @@ SHARD_SLACK = 1.1
 def test_a_sharded_tree_step_peaks_within_the_bound_of_the_stock_fsdp_step(tmp_path):
     out = tmp_path / "memory.json"
     # parameters weigh about as much as one micro-batch's activations, as in the wide table
-    command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--families", "qwen3",
+    command = [sys.executable, "-m", "harts.bench.fsdp_memory", "--families", "qwen3",
                "--ranks", "2", "--variants", "stock_fsdp", "harts_fsdp", "--hidden", "384",
                "--intermediate", "1024", "--layers", "4", "--heads", "4", "--kv-heads", "2",
                "--head-dim", "64", "--vocab", "1024", "--system-len", "120", "--tasks", "2",
                "--rollouts-per-task", "2", "--turns", "2", "--turn-len", "40", "--budget", "256",
                "--timeout", "400", "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,7 +9,7 @@
   missing from the loaded model (a renamed transformers attribute). gemma3's final logit
   soft-capping, which it runs, is in tests/test_gemma3_softcap.py.
 
-The families themselves (logits, gradients, budgets, cut trees) are in ``harts.testing.ALL_FAMILIES``,
+The families themselves (logits, gradients, budgets, cut trees) are in ``harts.tiny.ALL_FAMILIES``,
 so the parametrised equivalence and split tests cover them.
 """
 
@@ -21,8 +21,8 @@ import torch
 import harts
 from harts.adapters.base import MoEBalancing, adapter_for, registered_adapter, supported_families
 from harts.runtime.routers import RouterRecorder
-from harts.testing import ALL_FAMILIES, tiny_model
-from harts.train.moe import moe_stats
+from harts.steps.router_statistics import moe_stats
+from harts.tiny import ALL_FAMILIES, tiny_model
 from tests.helpers import EDGE_SHAPES, MOE_FORESTS, loop_counts
 from tests.reference import cached_model
 

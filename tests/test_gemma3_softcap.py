@@ -27,8 +27,8 @@ import harts
 from harts.adapters.base import supported_families
 from harts.integrations import batch_logprobs
 from harts.ops.logprobs import head_token_logprobs, softcap_logits, token_logprobs
-from harts.runtime.step import next_token_rows
-from harts.testing import tiny_model
+from harts.runtime.backward import next_token_rows
+from harts.tiny import tiny_model
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
     GRAD_RTOL,

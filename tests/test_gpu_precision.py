@@ -20,7 +20,7 @@ runs and bounds under CPU autocast), and here the bf16-parameter mode of every f
 exercised on every machine. With
 ``HARTS_GPU_REPORT=path`` each test merges its family's figures (per mode, stock and harts: worst
 log-prob error, lowest logit cosine, gradient relative error, and the bounds' misses) into that
-JSON file; ``python benchmarks/gpu_precision_table.py path`` prints them as a table.
+JSON file; ``python -m harts.bench.gpu_precision_table path`` prints them as a table.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 from tests.helpers import one_thread  # noqa: F401  (module-scoped fixture)
 from tests.precision import errors, model_of, no_worse_failures, stock, summary, tree, truth
 from tests.reference import LOGIT_ATOL, gradient_failures

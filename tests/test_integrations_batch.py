@@ -19,7 +19,7 @@ import torch
 
 import harts
 from harts.integrations import StdMode, batch_logprobs, batch_step, group_advantages
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.reference import GRAD_RTOL, LOGIT_ATOL, grad_relative_errors, param_grads
 
 PROMPT = [5, 9, 17, 33, 65, 3, 7, 21]

@@ -32,7 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from harts import RunConfig
 from harts.integrations.trl import GRPOTrainer
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.reference import GRAD_FLOOR, GRAD_RTOL, LOGIT_ATOL, grad_relative_errors
 from tests.trl_worker import PROMPTS, VARIANTS, Recorder, config, tokenizer, train
 

@@ -30,7 +30,7 @@ from datasets import Dataset  # a TRL dependency
 
 from harts import RunConfig
 from harts.integrations.trl import GRPOTrainer
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.precision import UNIT_ROUNDOFF, global_relative_error, ulp
 from tests.trl_worker import PROMPTS, Recorder, Snapshots, config, tokenizer
 

@@ -32,7 +32,7 @@ from harts.integrations.verl import (
     value_output,
 )
 from harts.runtime.config import RunConfig
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.critic_models import critic as tiny_critic
 from tests.helpers import prompt_response_batch
 from tests.reference import GRAD_RTOL, grad_relative_errors, param_grads

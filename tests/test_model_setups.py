@@ -24,7 +24,7 @@ from peft import LoraConfig, PromptTuningConfig, get_peft_model
 
 import harts
 from harts.bench.checkpointing import saved_bytes
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.reference import (
     GRAD_RTOL,
     LOGIT_ATOL,

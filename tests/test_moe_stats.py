@@ -25,7 +25,7 @@ from harts.adapters import adapter_for_type, supported_families
 from harts.adapters.base import MoEBalancing
 from harts.objectives import bias_update, load_balancing_loss
 from harts.runtime.routers import find_routers
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from tests.helpers import MOE_FORESTS, loop_counts
 from tests.reference import (
     GRAD_RTOL,

@@ -56,7 +56,7 @@ from harts.objectives import (
     estimate_advantages,
     normalizers_for,
 )
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 from tests.reference import (
     GRAD_RTOL,
     cached_model,

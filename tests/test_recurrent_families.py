@@ -18,7 +18,7 @@ import torch
 
 import harts
 from harts.adapters import adapter_for, adapter_for_type
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 FOREST = [[5, 6, 7, 8], [5, 6, 9]]
 

@@ -29,7 +29,7 @@ from harts.rl.config import Layout, parse_rl_config
 from harts.rl.loop import step_randomness
 from harts.rl.sampler import cache_not_exact
 from harts.rl.task import Episode, decode, encode
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from tests.helpers import one_thread  # noqa: F401 (autouse: one thread)
 from tests.helpers import write_config as write_train_config
 from tests.reference import GRAD_RTOL

@@ -12,7 +12,7 @@ import pytest
 
 import harts
 from harts.data.rollout_files import iter_rollout_steps, iter_rollouts, read_rollouts
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 RECORDS = [
     {"tokens": [3, 4, 5, 6], "loss_mask": [0, 0, 1, 1], "rollout_logprobs": [0.0, -1.0, -0.5, -0.25],

@@ -19,8 +19,8 @@ import torch
 
 import harts
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
-from harts.runtime.step import forest_backward, next_token_rows
-from harts.testing import FAMILIES
+from harts.runtime.backward import forest_backward, next_token_rows
+from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
     GRAD_RTOL,
@@ -290,7 +290,7 @@ def test_context_weight_must_lie_in_unit_interval():
 
 def test_fp64_model_keeps_fp64_rows_across_cuts():
     """A cut tree's loss reads the kept row log-probs: in an fp64 model they stay fp64."""
-    from harts.testing import tiny_model
+    from harts.tiny import tiny_model
 
     model = tiny_model("llama", seed=3, dtype=torch.float64)
     forest = harts.build_forest(SPLIT_FORESTS["stacked-branches"])

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harts.data.rollout_files import read_rollouts
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests.helpers import (
     FAMILY,
     one_thread,  # noqa: F401 (autouse: one thread)

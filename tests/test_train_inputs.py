@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.trainer.checkpoint import list_checkpoints
 from harts.trainer.inputs import DataCheck, check_embedding, fingerprint
 from tests.helpers import (

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import harts
 from harts.cli import main as harts_main
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.trainer.checkpoint import list_checkpoints
 from harts.trainer.inputs import seed_everything
 from tests.helpers import (

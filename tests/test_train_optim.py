@@ -15,7 +15,7 @@ import torch
 import harts
 from harts.adapters import adapter_for_type
 from harts.runtime.routers import find_routers
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from harts.trainer.config import OptimizerConfig, ScheduleConfig
 from harts.trainer.optim import build_optimizers, freeze_routers
 from tests.helpers import one_thread  # noqa: F401 (autouse: one thread)

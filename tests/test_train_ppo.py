@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.trainer.checkpoint import list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.inputs import rollout_steps

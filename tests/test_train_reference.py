@@ -20,7 +20,7 @@ import torch
 
 import harts
 from harts.runtime.forward_only import forest_logprobs
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, rollout_steps
 from harts.trainer.ppo import StepUpdates, load_reference

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from harts.cli import main as harts_main
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 from harts.trainer.checkpoint import latest, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import harts
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 from harts.trainer.checkpoint import MANIFEST, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.loop import train

@@ -165,7 +165,7 @@ def test_validation_before_compute():
     with pytest.raises(ValueError, match="clip must be"):
         harts.ValueLossConfig(clip=0.0)
     with pytest.raises(ValueError, match="score head"):
-        from harts.testing import tiny_model
+        from harts.tiny import tiny_model
 
         harts.value_step(tiny_model("qwen3"), good)
     assert model.score.weight.grad is None or True  # nothing above ran the model

@@ -43,7 +43,7 @@ from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
 from verl.utils import model as verl_model  # noqa: E402
 
-from harts.testing import tiny_model  # noqa: E402
+from harts.tiny import tiny_model  # noqa: E402
 from tests.critic_models import critic as tiny_critic  # noqa: E402
 from tests.helpers import prompt_response_batch  # noqa: E402
 

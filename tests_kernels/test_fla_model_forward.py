@@ -14,7 +14,7 @@ import torch
 
 import harts
 from harts.ops.backends import use_backend
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 from tests_kernels.device import DEVICE
 
 LOGIT_ATOL = 1e-4  # the suite's fp32 logit bound (measured about 3e-6 here)

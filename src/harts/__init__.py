@@ -10,7 +10,7 @@ batch of :class:`Rollout`); :func:`forest_step` takes a forest and its loss rows
 
 from harts.adapters import supported_families
 from harts.adapters.value_head import ValueHead
-from harts.batch_layout import BatchLayout
+from harts.batch_positions import BatchLayout
 from harts.data.rollout_files import iter_rollout_steps, read_rollouts
 from harts.forest import Forest, build_forest
 from harts.objectives import (
@@ -52,7 +52,7 @@ from harts.runtime import (
     next_token_rows,
     score,
 )
-from harts.train import forest_step, moe_stats, rollout_step, value_step
+from harts.steps import forest_step, moe_stats, rollout_step, value_step
 
 __all__ = [
     # forests and plans

@@ -40,7 +40,7 @@ from harts.bench.cases import flat_budget_variants, flat_run
 from harts.bench.flops import flop_model, ideal_speedup
 from harts.bench.memory import tensor_peak_bytes
 from harts.data.synthetic import agentic
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 DEMO_MODEL = dict(
     vocab_size=2048,

@@ -31,7 +31,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from harts.batch_layout import BatchLayout, batch_layout
+from harts.batch_positions import BatchLayout, batch_layout
 
 __all__ = ["Forest", "build_forest", "as_token_array", "concat_ranges", "node_depth_and_subtree_end"]
 
@@ -320,7 +320,7 @@ def build_forest(
     ``trajectories``: a non-empty sequence of token-id sequences (lists, tuples, numpy or torch
     integer arrays); or a padded batch, ``input_ids`` [B, L] with ``attention_mask`` [B, L] (left
     or right padding; pad tokens are dropped); or a packed batch, ``input_ids`` [T] or [1, T]
-    with ``cu_seqlens`` or ``position_ids`` (:mod:`harts.batch_layout`). A 2-D tensor without a
+    with ``cu_seqlens`` or ``position_ids`` (:mod:`harts.batch_positions`). A 2-D tensor without a
     mask is refused: its padding cannot be told from tokens. Identical trajectories stay
     separate trajectories that end at the same node (multiplicity 2). A trajectory that is a
     prefix of another ends at an internal node. With ``share_prefixes=False`` every trajectory

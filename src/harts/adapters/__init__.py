@@ -1,6 +1,6 @@
 """Model-family adapters. Importing this package registers every supported family.
 
-The import order below is the families' order (``harts.testing.ALL_FAMILIES``: the order tests run
+The import order below is the families' order (``harts.tiny.ALL_FAMILIES``: the order tests run
 them in, and the family tests pick first or last): a new family's module goes last.
 """
 

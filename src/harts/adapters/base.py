@@ -226,7 +226,7 @@ def require(family: str, obj, *names: str) -> None:
 
 
 # every family harts has an adapter for, available or not, in registration order (the import order
-# of adapters/__init__.py): the order of harts.testing.ALL_FAMILIES
+# of adapters/__init__.py): the order of harts.tiny.ALL_FAMILIES
 _ADAPTERS: dict[str, FamilyAdapter] = {}
 _REGISTRY: dict[str, FamilyAdapter] = {}
 # families harts has an adapter for that the installed transformers lacks (or runs wrongly) -> why

@@ -36,7 +36,7 @@ from harts.adapters import adapter_for_type
 from harts.data.synthetic import scaled
 from harts.forest import Forest
 from harts.runtime.config import RunConfig
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 
 __all__ = [
     "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "flat_budgets",
@@ -57,7 +57,7 @@ QUICK_SHAPES: dict[str, dict] = {
 
 # "small" widths: a 1K vocabulary and 128-wide hidden states, so matmuls rather than Python
 # overheads dominate while the whole sweep still fits a CPU (each adapter's ``small_overrides``
-# widen its heads and experts to match). "tiny" is harts.testing's size.
+# widen its heads and experts to match). "tiny" is harts.tiny's size.
 _SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)
 
 # The full sweep's families (the KDA, GDN and full-attention ones the benchmark tables report);

@@ -23,7 +23,7 @@ import torch
 import harts
 from harts.bench.cases import BenchConfig, make_model, make_trajectories
 from harts.bench.memory import tensor_peak_bytes
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 
 __all__ = ["saved_bytes", "measure", "main"]
 

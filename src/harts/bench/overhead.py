@@ -21,7 +21,7 @@ import torch
 
 import harts
 from harts.data.synthetic import scaled
-from harts.testing import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_model
 
 __all__ = ["measure", "main"]
 

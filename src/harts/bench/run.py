@@ -45,7 +45,7 @@ from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
 from harts.ops.backends import available_backends, resolve_backend
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
-from harts.testing import FAMILIES
+from harts.tiny import FAMILIES
 
 __all__ = ["run", "run_case", "main"]
 

@@ -39,15 +39,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from harts.batch_layout import BatchLayout, batch_layout
+from harts.batch_positions import BatchLayout, batch_layout
 from harts.forest import Forest, build_forest
 from harts.objectives.losses import Aggregation, Normalizers, PolicyLossConfig, normalizers_for
 from harts.objectives.rollout import BatchRollouts, Rollout
+from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import forward
 from harts.runtime.forward_only import forest_row_logprobs
-from harts.runtime.step import StepResult
-from harts.train.step import forest_step, step_inputs
+from harts.steps.policy import forest_step, step_inputs
 
 __all__ = [
     "StdMode", "group_advantages", "BatchLogprobs", "batch_logprobs", "BatchStepResult", "batch_step",
@@ -240,7 +240,7 @@ def batch_logprobs(
 class BatchStepResult:
     """What :func:`batch_step` returns: the detached ``loss`` and ``metrics``; ``logprobs`` and
     ``entropies`` (detached) in the layout the response mask came in ([B, L], [B, R] or packed),
-    0 off the mask; ``step``, harts' :class:`~harts.runtime.step.StepResult` (plan, timings)."""
+    0 off the mask; ``step``, harts' :class:`~harts.runtime.backward.StepResult` (plan, timings)."""
 
     loss: Tensor
     metrics: dict[str, Tensor]

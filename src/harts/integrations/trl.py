@@ -63,13 +63,13 @@ except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError("harts.integrations.trl needs TRL: pip install 'harts[trl]'") from err
 
 from harts.adapters import supported_families
-from harts.batch_layout import batch_layout
+from harts.batch_positions import batch_layout
 from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
 from harts.ops.precision import no_autocast
+from harts.runtime.backward import forest_backward
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import data_parallel, data_parallel_step, unwrap_data_parallel
-from harts.runtime.step import forest_backward
 
 __all__ = ["GRPOTrainer"]
 

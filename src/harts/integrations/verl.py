@@ -64,8 +64,8 @@ from harts.integrations.verl_engine import (
     register,
     unregister_engine,
 )
+from harts.runtime.backward import next_token_rows
 from harts.runtime.config import RunConfig
-from harts.runtime.step import next_token_rows
 
 __all__ = ["model_output", "register_engine", "unregister_engine", "value_output", "register_critic_engine"]
 

@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 from harts.forest import build_forest
+from harts.runtime.backward import forest_backward
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import check_inputs, layout_for, model_device, resolve_model, run_layout
 from harts.runtime.readout import Readout, readout_for
-from harts.runtime.step import forest_backward
 
 __all__ = ["unregister_engine"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts.batch_layout import BatchLayout, batch_layout
+from harts.batch_positions import BatchLayout, batch_layout
 from harts.forest import as_token_array
 
 __all__ = [

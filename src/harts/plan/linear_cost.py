@@ -17,7 +17,7 @@ plain-PyTorch kernels), so :func:`harts.plan.linear.plan_linear` can weigh a pla
 Defaults: a least-squares fit (relative error) of measured fwd + bwd times of the delta rule on a
 2-core CPU at 2 threads, H = 4, K = V = 32: single calls over W in 1-64, T in 16-1024, C in 8-64,
 whole plans of calls and chunk trees (C in 8-64) of the benchmark's forest shapes, tree and
-flat. ``benchmarks/fit_linear_cost.py`` measures and fits both halves and prints the fields; its
+flat. ``python -m harts.bench.fit_linear_cost`` measures and fits both halves and prints the fields; its
 median relative error was 13% for calls and 11% for chunk trees. On a GPU slots are nearly free
 until the device is full and calls and steps dominate: refit there before trusting AUTO.
 """

@@ -9,7 +9,7 @@ budget allows and of about equal size; pre-order makes every such run closed (a 
 in the run or before it). Everything else is a whole tree or a subtree hanging off a spine that
 fits the budget; these are packed whole, first-fit decreasing: whole trees first, a spine's
 subtrees right after the spine run they hang off. So only spine parts are read by later parts: a
-step that must hold or recompute what later parts read (:mod:`harts.runtime.step`) does so for
+step that must hold or recompute what later parts read (:mod:`harts.runtime.backward`) does so for
 the spines alone, and holds only the chain of spine runs above the running part.
 
 For each part the plan records what crosses its boundary: the *external* tokens (tokens of

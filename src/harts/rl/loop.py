@@ -43,10 +43,10 @@ from harts.rl.config import Layout, RLConfig
 from harts.rl.report import PLOTTED, progress_line
 from harts.rl.sampler import TreeSample, sample_tree
 from harts.rl.task import build_task
+from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
-from harts.runtime.step import StepResult
-from harts.testing import tiny_model
-from harts.train.step import rollout_step, step_inputs
+from harts.steps.policy import rollout_step, step_inputs
+from harts.tiny import tiny_model
 from harts.trainer.checkpoint import Checkpoint
 from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers

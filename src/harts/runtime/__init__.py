@@ -1,11 +1,11 @@
 """Running a model over a forest: the executor, the micro-batch hand-over, the budgeted step."""
 
+from harts.runtime.backward import PartObserver, StepResult, forest_backward, next_token_rows
 from harts.runtime.config import RunConfig
 from harts.runtime.critic import ForestScores, ForestValues, forward_values, score
 from harts.runtime.executor import TreeOutput, forward
 from harts.runtime.forward_only import ForestLogprobs, RowLogprobs, forest_logprobs, forest_row_logprobs
 from harts.runtime.routers import RouterRecorder, find_routers
-from harts.runtime.step import PartObserver, StepResult, forest_backward, next_token_rows
 
 __all__ = [
     "RunConfig", "TreeOutput", "forward", "RouterRecorder", "find_routers",

@@ -8,7 +8,7 @@ as log-probs of chosen targets computed once per unique predicting token, in row
 
 ``run_layout`` is the same pass over one micro-batch of a cut forest: it reads the keys/values,
 conv inputs and states handed over by earlier micro-batches and returns what it hands on
-(:mod:`harts.runtime.step` drives it). Losses live in :mod:`harts.objectives`.
+(:mod:`harts.runtime.backward` drives it). Losses live in :mod:`harts.objectives`.
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ from torch import nn
 
 from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
+from harts.runtime.backward import PartObserver, StepParts, check_rows
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import check_inputs, resolve_model, run_backend
 from harts.runtime.readout import Readout, readout_for
-from harts.runtime.step import PartObserver, StepParts, check_rows
 
 __all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs"]
 

@@ -1,6 +1,6 @@
 """``harts train``: a training run from a TOML config, on top of :func:`harts.rollout_step`'s step.
 
-The layer above ``train`` and ``data``: it owns what a run needs beyond one step (config,
+The layer above ``steps`` and ``data``: it owns what a run needs beyond one step (config,
 optimizers and schedules, the loop, checkpoints that survive a kill, progress and metrics).
 
 - ``config``: the TOML file as typed, validated dataclasses (``load_config``);

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         parser.error("--accept-changed-data goes with --resume (it lets a resume continue on a changed file)")
 
     from harts.trainer.config import load_config
-    from harts.trainer.distributed import RankFailure
     from harts.trainer.loop import TrainingDiverged, train
+    from harts.trainer.processes import RankFailure
 
     config = load_config(args.config)
     out = Path(args.out) if args.out else config.out or Path("runs") / Path(args.config).stem

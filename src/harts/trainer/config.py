@@ -43,7 +43,7 @@ from harts.objectives.advantages import ADVANTAGE_ESTIMATORS
 from harts.objectives.losses import PolicyLossConfig
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
-from harts.testing import ALL_FAMILIES
+from harts.tiny import ALL_FAMILIES
 from harts.trainer.sections import EvalSection, LoRASection, SamplesSection, one_of, positive_int
 
 __all__ = [

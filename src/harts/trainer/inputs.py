@@ -31,7 +31,7 @@ import torch
 from harts.data.rollout_files import iter_file_steps, iter_rollout_steps
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
-from harts.testing import tiny_config, tiny_model
+from harts.tiny import tiny_config, tiny_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
 __all__ = [
@@ -112,7 +112,7 @@ def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None) -
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, config.dtype)
-    # grouped_mm (the default experts kernel) has no fp64 path (as in harts.testing.tiny_model)
+    # grouped_mm (the default experts kernel) has no fp64 path (as in harts.tiny.tiny_model)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     with quiet_transformers():
         source = checkpoint if checkpoint is not None else config.path

@@ -41,23 +41,14 @@ from harts.objectives.advantages import estimate_advantages
 from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
+from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
-from harts.runtime.step import StepResult
-from harts.train.moe import resolve_aux_coef
-from harts.train.step import forest_step, step_inputs
+from harts.steps.policy import forest_step, step_inputs
+from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
-from harts.trainer.distributed import (
-    Ranks,
-    full_model_state,
-    local_rollouts,
-    rank_cost,
-    save_state,
-    start_ranks,
-    wrap_model,
-)
 from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
@@ -76,6 +67,15 @@ from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import freeze_routers
 from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
+from harts.trainer.processes import (
+    Ranks,
+    full_model_state,
+    local_rollouts,
+    rank_cost,
+    save_state,
+    start_ranks,
+    wrap_model,
+)
 from harts.trainer.progress import MetricsLog
 from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
@@ -93,7 +93,7 @@ def train_step(
     ranks: Ranks | None = None,
 ) -> tuple[StepResult, Forest]:
     """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
-    path (:func:`~harts.train.step.step_inputs`, then :func:`harts.forest_step`) with the advantages
+    path (:func:`~harts.steps.policy.step_inputs`, then :func:`harts.forest_step`) with the advantages
     estimated on the step's rows in between when ``objective.advantage`` names an estimator.
 
     With ``ranks``, ``model`` is the wrapped model: every rank checks the whole step and

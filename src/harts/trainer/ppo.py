@@ -41,7 +41,7 @@ from harts.objectives.advantages import advantages_to_rollouts, estimate_advanta
 from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.forward_only import forest_logprobs
-from harts.train.step import step_inputs
+from harts.steps.policy import step_inputs
 from harts.trainer.config import ModelConfig, ObjectiveConfig, PPOSection, ReferenceSection, TrainConfig
 from harts.trainer.inputs import group_spans, load_model
 

@@ -32,13 +32,13 @@ import torch
 
 from harts.objectives.moe import bias_update
 from harts.ops.backends import resolve_backend
+from harts.runtime.backward import StepResult
 from harts.runtime.executor import model_device
-from harts.runtime.step import StepResult
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
-from harts.trainer.distributed import STATE_DIR, RankFailure, Ranks, load_state, plain_class
 from harts.trainer.inputs import quiet_transformers
 from harts.trainer.logging_backends import open_backends
 from harts.trainer.optim import ParameterSplit, build_optimizers
+from harts.trainer.processes import STATE_DIR, RankFailure, Ranks, load_state, plain_class
 from harts.trainer.progress import PLOTTED, MetricsLog, progress_line, write_plot
 
 __all__ = ["Run", "TrainingDiverged", "collective", "update_metrics", "TRAINER_STATE", "STATE", "CONFIG",

@@ -13,7 +13,7 @@ weights clipped to zero and the rest refitted, and prints the fields, the median
 percentile relative error of each half, and plan-level checks on the bench shapes (estimate vs
 measured for AUTO's call plan and the chunk tree).
 
-Run: ``.venv/bin/python benchmarks/fit_linear_cost.py [--threads 1] [--quick]``.
+Run: ``python -m harts.bench.fit_linear_cost [--threads 1] [--quick]``.
 """
 
 from __future__ import annotations

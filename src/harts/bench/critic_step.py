@@ -8,7 +8,7 @@ trajectory its own root). Both run under one token budget. Variants are interlea
 times after a warm-up; the medians, their ratio, the flat / unique token counts and the largest
 difference of the losses and head-weight gradients between the layouts are printed.
 
-    python benchmarks/critic_step.py [--family qwen3] [--prompt 512] [--completions 8]
+    python -m harts.bench.critic_step [--family qwen3] [--prompt 512] [--completions 8]
         [--completion 64] [--budget 1024] [--repeats 3] [--threads 2]
 """
 
@@ -24,7 +24,7 @@ from transformers import AutoModelForTokenClassification
 
 import harts
 from harts.data.synthetic import star
-from harts.testing import tiny_config
+from harts.tiny import tiny_config
 
 SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)  # harts bench's "small" widths
 

@@ -26,11 +26,11 @@ from harts.objectives.losses import Normalizers, normalizers_for
 from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 from harts.objectives.values import ValueLossConfig, check_value_rows, explained_variance, value_loss
+from harts.runtime.backward import StepResult, forest_backward
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.readout import ScalarReadout, scalar_head
-from harts.runtime.step import StepResult, forest_backward
-from harts.train.step import step_inputs
+from harts.steps.policy import step_inputs
 
 __all__ = ["value_step"]
 
@@ -71,7 +71,7 @@ def value_step(
     optimizer step's counts (None: this batch is the step). ``budget_tokens`` / ``run``: the
     micro-batches; ``share_prefixes=False`` runs the flat layout.
 
-    Returns a :class:`~harts.runtime.step.StepResult`: ``loss``; ``value`` [R], the critic's value
+    Returns a :class:`~harts.runtime.backward.StepResult`: ``loss``; ``value`` [R], the critic's value
     of each row (also in ``logprob``; ``entropy`` holds zeros); ``rows``; ``metrics``
     (``value_loss``, ``value_clip_fraction``, ``value_mean``, ``explained_variance`` of the new
     values against the returns over the step's rows, ``loss``); and what the plan did.

@@ -1,8 +1,8 @@
 """One step on N ranks against one process, the same global batch: what data parallelism buys.
 
-    python benchmarks/distributed_step.py                                # one process
-    torchrun --nproc_per_node=2 benchmarks/distributed_step.py           # 2 ranks (DDP)
-    torchrun --nproc_per_node=2 benchmarks/distributed_step.py --fsdp    # 2 ranks: DDP and FSDP2
+    python -m harts.bench.distributed_step                                # one process
+    torchrun --nproc_per_node=2 -m harts.bench.distributed_step           # 2 ranks (DDP)
+    torchrun --nproc_per_node=2 -m harts.bench.distributed_step --fsdp    # 2 ranks: DDP and FSDP2
 
 The batch is one agentic forest (a 600-token system prompt shared by every rollout, 8 tasks of
 4 rollouts over 3 turns): one tree, so on several ranks it is divided at its branch points and
@@ -29,8 +29,8 @@ import torch.distributed as dist
 import harts
 from harts.data import synthetic
 from harts.plan.ranks import assign_trees
-from harts.testing import tiny_model
-from harts.trainer.distributed import rank_cost
+from harts.tiny import tiny_model
+from harts.trainer.processes import rank_cost
 
 
 def shard(family: str) -> torch.nn.Module:

@@ -4,7 +4,7 @@ Why: the stock ``chunk_kimi_delta_attention`` materialises a [B, H, N, C, C, K] 
 per-row Python loop for the triangular inverse; harts replaces both (sub-block factors + one
 ``solve_triangular``). This script checks the speed claim at the design-note shape.
 
-Run: ``.venv/bin/python benchmarks/bench_delta_rule.py [--T 4096] [--threads 2]``. Prints medians of 3.
+Run: ``python -m harts.bench.delta_rule_kernel [--T 4096] [--threads 2]``. Prints medians of 3.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ the same inputs.
 
 A :class:`PartObserver` sees every part's forward and may add a loss term to a part's backward:
 this is how the MoE load-balancing loss, a product of two means over the whole step, gets its
-exact gradient part by part (:mod:`harts.train.moe`).
+exact gradient part by part (:mod:`harts.steps.router_statistics`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ parameters), stock's and harts' worst log-prob error, lowest logit cosine and gr
 error against the fp64 truth, and whether the bounds held. Prints a markdown table.
 
     HARTS_GPU_REPORT=gpu_precision.json python -m pytest -q -m gpu tests/test_gpu_precision.py
-    python benchmarks/gpu_precision_table.py gpu_precision.json
+    python -m harts.bench.gpu_precision_table gpu_precision.json
 """
 
 from __future__ import annotations

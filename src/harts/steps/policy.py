@@ -8,7 +8,7 @@
                   (+ MoE statistics and the load-balancing loss, part by part, when asked)
 
 Gradients accumulate into ``.grad``; the result holds the detached loss, the metrics, the MoE
-statistics and what the plan did (:class:`~harts.runtime.step.StepResult`). Every budget gives
+statistics and what the plan did (:class:`~harts.runtime.backward.StepResult`). Every budget gives
 the loss, metrics, MoE statistics and gradients of no budget. ``share_prefixes=False`` runs the
 flat layout (each trajectory its own root) through the same code: the baseline.
 
@@ -40,12 +40,12 @@ from harts.objectives.losses import (
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
+from harts.runtime.backward import StepResult, forest_backward
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
-from harts.runtime.step import StepResult, forest_backward
-from harts.train.moe import MoEObserver, resolve_aux_coef
+from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
 
 __all__ = ["rollout_step", "forest_step", "step_inputs"]
 
@@ -229,7 +229,7 @@ def rollout_step(
     ``budget_tokens`` bounds the unique tokens per micro-batch; ``temperature`` (or
     ``config.temperature``) is the rollouts' sampling temperature; ``run`` holds the other execution
     knobs (:class:`~harts.runtime.config.RunConfig`). Returns a
-    :class:`~harts.runtime.step.StepResult`: the detached loss, metrics, MoE statistics
+    :class:`~harts.runtime.backward.StepResult`: the detached loss, metrics, MoE statistics
     (``moe=MoEConfig()``), row log-probs and the plan.
     """
     if not isinstance(config, PolicyLossConfig):

@@ -34,8 +34,8 @@ from harts.objectives.moe import (
     routing_sums,
 )
 from harts.plan.layout import TreeLayout
+from harts.runtime.backward import PartObserver
 from harts.runtime.routers import RouterRecorder, find_routers
-from harts.runtime.step import PartObserver
 
 __all__ = ["moe_stats", "resolve_aux_coef", "MoEObserver"]
 
@@ -79,7 +79,7 @@ def resolve_aux_coef(config: MoEConfig, model: nn.Module) -> float:
 class MoEObserver(PartObserver):
     """Routing statistics over a step's micro-batches, and each part's share of the aux loss.
 
-    Use inside ``with recorder:``; the step calls the hooks (:class:`~harts.runtime.step.PartObserver`).
+    Use inside ``with recorder:``; the step calls the hooks (:class:`~harts.runtime.backward.PartObserver`).
     """
 
     def __init__(

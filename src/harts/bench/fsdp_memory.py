@@ -1,6 +1,6 @@
 """Per-rank tensor peak of one FSDP2 / DDP training step: harts against the stock FSDP2 step.
 
-    python benchmarks/fsdp_memory.py --families qwen3 bailing_hybrid --ranks 1 2 4 \\
+    python -m harts.bench.fsdp_memory --families qwen3 bailing_hybrid --ranks 1 2 4 \\
         --out docs/bench/fsdp-memory.json
 
 For each family and rank count N the script starts itself N times under ``torch.distributed.run``
@@ -53,6 +53,8 @@ import sys
 import tempfile
 from datetime import timedelta
 
+# the folder harts is imported from: the workers import it from there, whatever their directory
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("stock_fsdp", "harts_fsdp", "harts_ddp", "stock_floor")
 MIB = 2**20
 # Worker options: harts' budget_tokens; the model's widths (moe_intermediate and experts: bailing_hybrid's
@@ -180,7 +182,7 @@ def measure(variant: str, a: argparse.Namespace, mine: list, rounds: int) -> dic
 
     import harts
     from harts.bench.memory import tensor_peak_bytes
-    from harts.testing import tiny_model
+    from harts.tiny import tiny_model
 
     model = tiny_model(a.family, seed=0, **model_overrides(a.family, a))
     if variant == "stock_floor":
@@ -230,7 +232,7 @@ def worker(a: argparse.Namespace) -> None:
     import harts
     from harts.data.synthetic import agentic
     from harts.plan.ranks import assign_trees
-    from harts.testing import tiny_model
+    from harts.tiny import tiny_model
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.dist_timeout))
@@ -274,10 +276,10 @@ def launch(a: argparse.Namespace, family: str, n: int, argv: list[str]) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json", prefix=f"fsdp-memory-{family}-{n}-")
     os.close(fd)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "harts.bench.fsdp_memory",
            "--worker", "--family", family, "--result", path, *argv]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="6",
-               PYTHONPATH=os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

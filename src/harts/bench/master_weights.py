@@ -9,7 +9,7 @@ curves (``pip install -e '.[bench]'`` for matplotlib): the losses per step, and 
 minus fp32's at the same step. Every step reads other rollouts, so the raw curves zigzag with the
 data; the difference removes that, leaving what the precision did.
 
-    python benchmarks/master_weights.py [--steps 20] [--lr 1e-5] [--family llama] \
+    python -m harts.bench.master_weights [--steps 20] [--lr 1e-5] [--family llama] \
         [--plot docs/bench/master-weights.png]
 """
 
@@ -28,7 +28,7 @@ from harts.trainer.config import parse_config
 from harts.trainer.inputs import load_model
 from harts.trainer.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (src/harts/bench/ is three below): its examples/
 RUNS = {
     "fp32": ("float32", True),
     "bf16 + fp32 masters": ("bfloat16", True),

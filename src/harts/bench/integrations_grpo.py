@@ -9,7 +9,7 @@ backward (what TRL's ``_get_per_token_logps_and_entropies`` and its loss do). ha
 the flat and unique token counts, the median seconds of each and the speedup, and checks that
 both give the same log-probs.
 
-    python benchmarks/integrations_grpo.py [--family qwen3] [--prompts 2] [--generations 8]
+    python -m harts.bench.integrations_grpo [--family qwen3] [--prompts 2] [--generations 8]
         [--prompt-len 512] [--completion-len 64] [--repeats 3] [--threads 2]
 
 What this leaves out: generation, rewards and the optimizer (unchanged by harts), and GPUs (the
@@ -25,7 +25,7 @@ import time
 import torch
 
 from harts.integrations import batch_logprobs
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 
 def make_batch(args, vocab: int):

@@ -10,7 +10,7 @@ trajectories), as ``harts bench`` runs its flat baseline. Both run under one tok
 Variants are interleaved, ``--repeats`` times after a warm-up; medians are printed with the
 tree / flat ratios and the largest difference of the old log-probs between the layouts.
 
-    python benchmarks/three_passes.py [--family bailing_hybrid] [--budget 1024] [--repeats 3]
+    python -m harts.bench.three_passes [--family bailing_hybrid] [--budget 1024] [--repeats 3]
         [--threads 1] [--scale 0.01]
 """
 
@@ -25,7 +25,7 @@ import torch
 
 import harts
 from harts.data.synthetic import scaled
-from harts.testing import tiny_model
+from harts.tiny import tiny_model
 
 SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)  # harts bench's "small" widths
 SMALL_EXTRA = {
