@@ -119,3 +119,50 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad.write_text("from harts.runtime.backward import forest_backward\n")
     assert harts_imports(bad) == ["harts.runtime.backward"]
     assert layer_of("harts.runtime.backward") not in ALLOWED["ops"]
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore stays in its module: what two modules share is public."""
+    found = [
+        f"{name}: from {node.module} import {alias.name}"
+        for name, path in modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "harts"
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert not found, found
+
+
+def test_loss_kinds_are_tested_only_inside_objectives():
+    """What a loss kind needs is declared by its registry entry (objectives/losses.py); no code
+    outside objectives/ branches on a kind."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, path in modules()
+        if layer_of(name) != "objectives"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "LossKind"
+    ]
+    assert not found, found
+
+
+# where a family name may be written outside adapters/: the defaults of tools and benchmarks
+FAMILY_DEFAULTS = {"harts.demo", "harts.bench.cases", "harts.bench.overhead", "harts.bench.critic_step",
+                   "harts.bench.distributed_step", "harts.bench.fsdp_memory", "harts.bench.integrations_grpo",
+                   "harts.bench.master_weights", "harts.bench.three_passes"}  # fmt: skip
+
+
+def test_family_knowledge_stays_in_the_adapters():
+    """A family's facts live on its adapter; elsewhere a family name appears only as a default."""
+    from harts.adapters.base import all_families
+
+    names = set(all_families())
+    found = sorted({
+        f"{name}: {node.value!r}"
+        for name, path in modules()
+        if layer_of(name) != "adapters" and name not in FAMILY_DEFAULTS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    })  # fmt: skip
+    assert names and not found, found

@@ -155,9 +155,13 @@ def stock_step(model: nn.Module, trajectories: list[list[int]], device: torch.de
 
 
 # ---- cases ---------------------------------------------------------------------------------------
+def small_overrides(family: str) -> dict:
+    """The tiny config's fields that make ``family``'s "small" bench model (its adapter's widths)."""
+    return {**_SMALL, **adapter_for_type(family).small_overrides.get(family, {})}
+
+
 def make_model(family: str, cfg: BenchConfig) -> nn.Module:
-    small = adapter_for_type(family).small_overrides.get(family, {})
-    overrides = {} if cfg.model_size == "tiny" else {**_SMALL, **small}
+    overrides = {} if cfg.model_size == "tiny" else small_overrides(family)
     return tiny_model(family, seed=cfg.seed, **overrides).to(cfg.device)
 
 

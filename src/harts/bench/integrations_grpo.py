@@ -25,7 +25,7 @@ import time
 import torch
 
 from harts.integrations import batch_logprobs
-from harts.tiny import tiny_model
+from harts.tiny import tiny_config, tiny_model
 
 
 def make_batch(args, vocab: int):
@@ -91,7 +91,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     overrides = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden, vocab_size=args.vocab,
                      num_hidden_layers=args.layers)  # fmt: skip
-    if args.family in ("qwen3", "llama"):
+    config = tiny_config(args.family)
+    grouped = hasattr(config, "num_key_value_heads") and hasattr(config, "head_dim")
+    if grouped and not hasattr(config, "kv_lora_rank"):
+        # grouped-query attention at the chosen width: 4 heads sharing 2 key-value heads
         overrides |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4)
     model = tiny_model(args.family, seed=0, **overrides)
     batch = make_batch(args, args.vocab)

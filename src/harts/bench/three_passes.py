@@ -24,15 +24,9 @@ import time
 import torch
 
 import harts
+from harts.bench.cases import small_overrides
 from harts.data.synthetic import scaled
 from harts.tiny import tiny_model
-
-SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)  # harts bench's "small" widths
-SMALL_EXTRA = {
-    "bailing_hybrid": dict(moe_intermediate_size=64, head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
-    "qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32),
-    "qwen3": dict(head_dim=32),
-}
 
 
 def rollouts_of(trajectories, seed: int = 0) -> list[harts.Rollout]:
@@ -73,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = tiny_model(args.family, seed=0, **SMALL, **SMALL_EXTRA.get(args.family, {}))
+    model = tiny_model(args.family, seed=0, **small_overrides(args.family))  # harts bench's small model
     trajectories = scaled("agentic", args.scale, seed=0, vocab_size=model.config.vocab_size)
     rollouts = rollouts_of(trajectories)
     tree = harts.build_forest(trajectories)
