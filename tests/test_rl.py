@@ -278,6 +278,7 @@ def test_a_second_run_into_a_directory_with_checkpoints_is_refused(tmp_path, cap
         ({}, {"objective": {"temperature": 0.5}}, "objective.temperature = 0.5 differs from sampling"),
         ({}, {"objective": {"kind": "sft"}}, "objective.kind: 'sft' has nothing to imitate"),
         ({}, {"objective": {"advantage": "best"}}, "objective.advantage: expected one of"),
+        ({}, {"objective": {"advantage": "gae"}}, "objective.advantage: gae needs a critic's values, and"),
         ({}, {"task": {"max_addend": 12}}, r"task.max_addend: expected an integer in \[1, 9\]"),
         ({}, {"task": {"name": "chess"}}, "task.name: expected one of running_sum"),
         ({}, {"model": {"tiny": None, "path": "/models/x"}}, "model.path: harts rl trains on its built-in"),
@@ -285,7 +286,7 @@ def test_a_second_run_into_a_directory_with_checkpoints_is_refused(tmp_path, cap
         ({}, {"optimizer": {"lr": "fast"}}, "optimizer.lr: expected a number, got 'fast'"),
     ],
     ids=["layout", "top-key", "section", "branching-length", "branching-zero", "branching-type",
-         "temperature", "objective-temperature", "sft", "estimator", "addend", "task", "model-path",
+         "temperature", "objective-temperature", "sft", "estimator", "gae", "addend", "task", "model-path",
          "checkpointing", "lr"],
 )  # fmt: skip
 def test_bad_configs_are_refused_naming_the_key(tmp_path, capsys, top, sections, message):

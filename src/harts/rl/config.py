@@ -30,6 +30,7 @@ from harts.objectives.losses import POLICY_LOSSES, PolicyLossConfig
 from harts.rl.sampler import SamplingConfig
 from harts.rl.task import TaskConfig
 from harts.trainer.config import (
+    CRITIC_ESTIMATORS,
     TRAIN_ESTIMATORS,
     CheckpointConfig,
     LoggingConfig,
@@ -98,6 +99,10 @@ class RLConfig:
             raise ValueError(f"objective.advantage: harts rl needs an estimator "
                              f"({', '.join(TRAIN_ESTIMATORS)}): the sampled rollouts carry rewards, "
                              f"not advantages")  # fmt: skip
+        if self.objective.advantage in CRITIC_ESTIMATORS:
+            raise ValueError(f"objective.advantage: {self.objective.advantage} needs a critic's values, and "
+                             f"harts rl runs no critic (harts train does, with [critic]); use one of "
+                             f"{', '.join(TRAIN_ESTIMATORS)}")  # fmt: skip
         if self.objective.temperature not in (1.0, self.sampling.temperature):
             raise ValueError(f"objective.temperature = {self.objective.temperature} differs from "
                              f"sampling.temperature = {self.sampling.temperature}: the loss must read the "

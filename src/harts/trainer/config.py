@@ -23,6 +23,8 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
     [lora]       r, alpha, dropout (0), target_modules, merge_on_save: train peft LoRA adapters
     [eval]       file, every_steps, budget_tokens: held-out rollouts scored forward only
     [samples]    prompts, every_steps, max_new_tokens, greedy, tokenizer: generate() completions
+    [critic]     model ("policy" | a local directory), dtype, device, seed, lr, weight_decay, betas, eps,
+                 max_grad_norm, value_clip, aggregation, budget_tokens: a value model for gae
 
 Relative paths are resolved against the config file's directory, so a config and its data can
 move together.
@@ -40,20 +42,27 @@ from typing import Union, get_args, get_origin, get_type_hints
 
 from harts.adapters import FamilyUnavailable, adapter_for_type
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS
-from harts.objectives.losses import PolicyLossConfig
+from harts.objectives.losses import POLICY_LOSSES, PolicyLossConfig
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
 from harts.tiny import ALL_FAMILIES
-from harts.trainer.sections import EvalSection, LoRASection, SamplesSection, one_of, positive_int
+from harts.trainer.sections import (
+    DTYPES,
+    FROM_POLICY,
+    CriticSection,
+    EvalSection,
+    LoRASection,
+    SamplesSection,
+    one_of,
+    positive_int,
+)
 
 __all__ = [
     "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
     "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "ReferenceSection", "PPOSection",
-    "LoRASection", "EvalSection", "SamplesSection", "BACKENDS", "TRAIN_ESTIMATORS",
-    "load_config", "parse_config", "DTYPES", "INITIAL",
+    "LoRASection", "EvalSection", "SamplesSection", "CriticSection", "BACKENDS", "TRAIN_ESTIMATORS",
+    "CRITIC_ESTIMATORS", "load_config", "parse_config", "DTYPES", "INITIAL", "FROM_POLICY",
 ]  # fmt: skip
-
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -94,8 +103,13 @@ class DataConfig:
         positive_int("data.rollouts_per_step", self.rollouts_per_step)
 
 
-#: the estimators ``objective.advantage`` may name: those that read no critic (harts train runs none)
+#: the estimators that read no critic: ``objective.advantage`` of a run without ``[critic]``
 TRAIN_ESTIMATORS = tuple(name.value for name, entry in ADVANTAGE_ESTIMATORS.items() if not entry.needs_critic)
+#: the estimators that read a critic's values (GAE): a run with them needs ``[critic]``
+CRITIC_ESTIMATORS = tuple(name.value for name, entry in ADVANTAGE_ESTIMATORS.items() if entry.needs_critic)
+#: estimator parameters a file sets that are not numbers, and those it cannot set (per-token tensors)
+_PARAM_TYPES = {"whiten": bool}
+_TENSOR_PARAMS = {"token_rewards": "each rollout's reward is put on its last loss position"}
 
 
 def _enum(hint) -> type[StrEnum] | None:
@@ -127,10 +141,10 @@ class ObjectiveConfig(_LossKeys):
     """The loss: :class:`harts.PolicyLossConfig`'s fields (its enums as their strings), and how the
     step gets its advantages.
 
-    ``advantage`` names an estimator (``harts.ADVANTAGE_ESTIMATORS``, one of ``TRAIN_ESTIMATORS``)
-    run on each step's rows from the rollouts' rewards and group ids, with ``advantage_params`` its
-    declared parameters; ``max_length`` is Dr. GRPO's constant for the ``seq-mean-token-sum-norm``
-    aggregation.
+    ``advantage`` names an estimator (``harts.ADVANTAGE_ESTIMATORS``) run on each step's rows from
+    the rollouts' rewards and group ids, with ``advantage_params`` its declared parameters (one of
+    ``CRITIC_ESTIMATORS`` needs a ``[critic]``, which :class:`TrainConfig` checks); ``max_length``
+    is Dr. GRPO's constant for the ``seq-mean-token-sum-norm`` aggregation.
     """
 
     advantage: str | None = None
@@ -148,22 +162,19 @@ class ObjectiveConfig(_LossKeys):
             if self.advantage_params:
                 raise ValueError("objective.advantage_params: set objective.advantage to use them")
         else:
-            entry = ADVANTAGE_ESTIMATORS.get(self.advantage)
-            if entry is not None and entry.needs_critic:
-                raise ValueError(
-                    f"objective.advantage: {self.advantage} needs a critic's values at every token, and "
-                    f"harts train runs no critic; estimate {self.advantage} in Python (harts.forward_values, "
-                    f"then harts.estimate_advantages(rows, '{self.advantage}', ...) and harts.value_step for "
-                    f"the critic)"
-                )
-            one_of("objective.advantage", self.advantage, TRAIN_ESTIMATORS)
+            one_of("objective.advantage", self.advantage, TRAIN_ESTIMATORS + CRITIC_ESTIMATORS)
+            entry = ADVANTAGE_ESTIMATORS[self.advantage]
+            settable = [p for p in entry.params if p not in _TENSOR_PARAMS]
             for name, value in self.advantage_params.items():
+                if name in _TENSOR_PARAMS:
+                    raise ValueError(f"objective.advantage_params.{name}: a per-token tensor, not set from a "
+                                     f"config: {_TENSOR_PARAMS[name]}")  # fmt: skip
                 if name not in entry.params:
                     raise ValueError(
                         f"objective.advantage_params: {self.advantage} takes no parameter {name!r}; "
-                        f"valid: {', '.join(entry.params) or 'none'}"
+                        f"valid: {', '.join(settable) or 'none'}"
                     )
-                _convert(f"objective.advantage_params.{name}", value, float)
+                _convert(f"objective.advantage_params.{name}", value, _PARAM_TYPES.get(name, float))
         if self.max_length is not None and not self.max_length > 0:
             raise ValueError(f"objective.max_length: expected a positive number, got {self.max_length}")
         if loss.needs_max_length and self.max_length is None:
@@ -384,6 +395,7 @@ class TrainConfig:
     lora: LoRASection | None = None
     eval: EvalSection | None = None
     samples: SamplesSection | None = None
+    critic: CriticSection | None = None
     seed: int = 0
     steps: int | None = None
     epochs: int | None = None
@@ -407,6 +419,28 @@ class TrainConfig:
         if self.reference is not None and not self.objective.kl_coef > 0:
             raise ValueError("reference: objective.kl_coef is 0, so nothing would read the reference's "
                              "log-probs: set objective.kl_coef or remove [reference]")  # fmt: skip
+        self._check_critic()
+
+    def _check_critic(self) -> None:
+        """A critic estimator with a ``[critic]`` and a ``[critic]`` with one: each alone is refused."""
+        advantage = self.objective.advantage
+        if advantage in CRITIC_ESTIMATORS and self.critic is None:
+            raise ValueError(f"objective.advantage: {advantage} needs a critic's values at every token: add "
+                             f"a [critic] section (a value model trained beside the policy; "
+                             f"docs/training.md)")  # fmt: skip
+        if self.critic is None:
+            return
+        if advantage not in CRITIC_ESTIMATORS:
+            what = "is not set" if advantage is None else f"is {advantage!r}, which reads no critic"
+            only = ", ".join(CRITIC_ESTIMATORS)
+            raise ValueError(f"critic: objective.advantage {what}; only {only} reads the critic's values, so "
+                             f"its training would change nothing: set objective.advantage = "
+                             f"\"{CRITIC_ESTIMATORS[0]}\" or remove [critic]")  # fmt: skip
+        if not self.objective.loss_config().policy_loss.needs_advantages:
+            kinds = ", ".join(k for k, entry in POLICY_LOSSES.items() if entry.needs_advantages)
+            raise ValueError(f"critic: objective.kind = {self.objective.kind!r} reads no advantages, so "
+                             f"nothing would read the critic: use a kind that does ({kinds}) or remove "
+                             f"[critic]")  # fmt: skip
 
     @property
     def updates_per_step(self) -> int:
@@ -419,7 +453,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "moe": MoESection, "distributed": DistributedSection,
     "reference": ReferenceSection, "ppo": PPOSection, "lora": LoRASection, "eval": EvalSection,
-    "samples": SamplesSection,
+    "samples": SamplesSection, "critic": CriticSection,
 }  # fmt: skip
 _NOT_KEYS = {"source", "text", "table"}
 _PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out"), ("eval", "file"),
@@ -485,6 +519,8 @@ def build_section(cls, table: dict, section: str, base: Path):
             value = (base / value.expanduser()).resolve()
         elif (section, key) == ("reference", "model") and value != INITIAL:  # a directory, or "initial"
             value = str((base / Path(value).expanduser()).resolve())
+        elif (section, key) == ("critic", "model") and value not in (FROM_POLICY, ""):  # or "policy"
+            value = str((base / Path(value).expanduser()).resolve())
         kwargs[key] = value
     missing = [f.name for f in dataclasses.fields(cls) if f.name in names and f.name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
@@ -545,6 +581,12 @@ def check_paths(config: TrainConfig) -> None:
         raise FileNotFoundError(
             f"reference.model: {ref.model}: not a local Hugging Face model directory (no config.json); "
             f"give one, or \"{INITIAL}\" for the run's starting weights"
+        )
+    critic = config.critic
+    if critic is not None and not critic.from_policy and not (Path(critic.model) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"critic.model: {critic.model}: not a local Hugging Face model directory (no config.json); "
+            f"give one, or \"{FROM_POLICY}\" for the policy's starting weights under a fresh value head"
         )
 
 

@@ -8,12 +8,14 @@ gradient clipping -> optimizer step (of the masters, rounded back into the model
 update (when asked) -> schedule step -> ``zero_grad``. With ``[reference]`` the step's reference
 log-probs are computed first; with ``[ppo]`` its advantages and old log-probs are, and the step
 of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
-groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates.
+groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates. With
+``[critic]`` the critic's values and GAE's advantages and returns come first, and each policy
+update is followed by the critic's (:mod:`harts.trainer.critic`).
 Checkpoints every ``checkpoint.every`` steps and at the end (:mod:`harts.trainer.checkpoint`);
 metrics of every step in ``OUT/metrics.jsonl``. What every run does alike (set-up, resume, save,
 clip-and-step, metrics, progress, plot) is the run skeleton's (:class:`harts.trainer.run.Run`);
-this module adds the rollout file, the reference and old log-prob passes, eval, samples, LoRA and
-torchrun's ranks.
+this module adds the rollout file, the reference and old log-prob passes, the critic, eval,
+samples, LoRA and torchrun's ranks.
 
 Resume is exact: the model, optimizer and scheduler states, the random states and the data
 position are restored from the newest verified checkpoint, so the resumed run does the same
@@ -49,6 +51,7 @@ from harts.steps.policy import forest_step, step_inputs
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
+from harts.trainer.critic import CRITIC_DIR, Critic, save_critic
 from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
@@ -174,7 +177,8 @@ def _flatten(table: dict, prefix: str = "") -> dict:
 
 class _Train(Run):
     """One ``train`` call on the run skeleton: the rollout file, the reference and old log-prob
-    passes (``[reference]``, ``[ppo]``), eval and samples, LoRA, MoE balancing, torchrun's ranks."""
+    passes (``[reference]``, ``[ppo]``), the critic (``[critic]``), eval and samples, LoRA, MoE
+    balancing, torchrun's ranks."""
 
     command = "harts train"
 
@@ -206,6 +210,9 @@ class _Train(Run):
         if self.ranks is not None and (config.eval is not None or config.samples is not None):
             raise ValueError("[eval] and [samples] run on one process: their passes are not split over ranks "
                              "yet; start harts train without torchrun")  # fmt: skip
+        if self.ranks is not None and config.critic is not None:
+            raise ValueError("[critic] runs on one process: its values pass and its updates are not split "
+                             "over ranks yet; start harts train without torchrun")  # fmt: skip
         if self.ranks is not None and config.lora is not None:
             raise ValueError("[lora] runs on one process: a LoRA model under DDP or FSDP2 is not checked "
                              "against per-trajectory training yet; start harts train without "
@@ -251,6 +258,13 @@ class _Train(Run):
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
         split = self.build_optimizers(self.total)
+        self.critic, self.saved_values = None, None
+        if config.critic is not None:
+            saved = start.path / CRITIC_DIR if start is not None else None
+            if saved is not None and not saved.is_dir():
+                raise ValueError(f"critic: {start.path.name} holds no critic (the run started without "
+                                 f"[critic]): resume with the config the run started with")  # fmt: skip
+            self.critic = Critic(config, self.total, saved)
         self.loss_config = config.objective.loss_config()
         self.run_config = config.run.run_config()
         self.moe = None
@@ -271,11 +285,14 @@ class _Train(Run):
             set_rng_state(trainer["rng"])
             self.position = Position(**state["position"])
             self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
+            if self.critic is not None:
+                self.critic.load_state_dict(trainer.get("critic"), start.path.name)
+                self.saved_values = trainer.get("critic_values") if self.position.within_step else None
             if self.data_changed and self.position.within_step:
                 self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
                          f"file that step starts over from its first update")  # fmt: skip
                 self.position.ppo_epoch = self.position.mini_batch = 0
-                self.saved_old = None
+                self.saved_old = self.saved_values = None
             if self.data_changed and self.position.fit(self.steps_per_epoch):
                 self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
                          f"start of epoch {self.position.epoch}")  # fmt: skip
@@ -300,6 +317,10 @@ class _Train(Run):
             self.say(f"ppo: {ppo.epochs} epoch{'s' if ppo.epochs > 1 else ''} x {ppo.mini_batches} "
                      f"mini-batch{'es' if ppo.mini_batches > 1 else ''} of whole groups per step: "
                      f"{ppo.updates} optimizer updates per step; old log-probs {old}")  # fmt: skip
+        if self.critic is not None:
+            source = ("the policy's starting weights, a fresh head" if config.critic.from_policy
+                      else config.critic.model)  # fmt: skip
+            self.say(self.critic.describe(f"from {start.path.name}" if start else source))
         if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
             self.say(f"warning: {fields}")
         return start
@@ -342,8 +363,10 @@ class _Train(Run):
         """The step of rollouts at the run's position, ready for its updates (reference and old
         log-probs, advantages); between two of its updates (a resume) with the saved old log-probs."""
         saved, self.saved_old = self.saved_old, None
+        values, self.saved_values = self.saved_values, None
         with self.numbered():
-            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved)
+            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved,
+                               self.critic, values)  # fmt: skip
 
     def update(self, rollouts: list[Rollout], objective: ObjectiveConfig
                ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
@@ -378,6 +401,11 @@ class _Train(Run):
             began = time.perf_counter()
             result, forest, grad_norm, lrs = self.update(update.rollouts, step.objective)
             seconds = time.perf_counter() - began
+            critic = None
+            if self.critic is not None:
+                with self.numbered():
+                    critic = self.critic.update(update.rollouts, position.step + 1)
+                self.session += critic["critic_seconds"]
             self.session += seconds
             position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
                              self.steps_per_epoch, config.ppo)  # fmt: skip
@@ -385,7 +413,9 @@ class _Train(Run):
                              len(update.rollouts))  # fmt: skip
             if config.ppo is not None:
                 record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
-            if config.ppo is not None or config.reference is not None:
+            if critic is not None:
+                record.update(critic)
+            if config.ppo is not None or config.reference is not None or critic is not None:
                 record["passes_seconds"] = passes  # before the step's first update, once
                 passes = 0.0
             if self.evaluation is not None and self.evaluation.due(position.step, self.total):
@@ -420,12 +450,18 @@ class _Train(Run):
             save_adapter(self.model, directory, self.config.lora)
         else:
             self.write_model(directory, whole)
+        if self.critic is not None:
+            save_critic(self.critic.model, directory / CRITIC_DIR)
 
     def trainer_state(self) -> dict:
         trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(), "params": self.param_names,
                    "master_weights": self.optim.masters is not None}  # fmt: skip
         if self.position.within_step and self.current is not None and self.current.old is not None:
             trainer["old_logprobs"] = self.current.old  # the weights that computed them are gone
+        if self.critic is not None:
+            trainer["critic"] = self.critic.state_dict()
+            if self.position.within_step and self.current is not None:
+                trainer["critic_values"] = self.current.values  # as the old log-probs
         return trainer
 
     def interrupted(self) -> None:
@@ -439,6 +475,8 @@ class _Train(Run):
         unit = "optimizer updates" if config.ppo is not None else "steps"
         loads = ("AutoModelForCausalLM.from_pretrained loads it" if config.lora is None else
                  "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
+        if self.critic is not None:
+            loads += f"; its critic in {CRITIC_DIR}/"
         self.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
                  f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
                  f"({loads})")  # fmt: skip

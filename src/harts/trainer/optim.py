@@ -82,7 +82,9 @@ def freeze_routers(model: nn.Module) -> list[str]:
 def split_parameters(model: nn.Module, kind: str) -> ParameterSplit:
     """The groups of ``kind`` (``adamw`` or ``muon``) over the trainable parameters, in model order."""
     edge = set()
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+    # a bare module (harts.ValueHead, a critic) has neither: muon is not offered for it
+    for get in (getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)):
+        module = get() if get is not None else None
         if module is not None:
             edge |= {id(p) for p in module.parameters()}
     split = ParameterSplit()

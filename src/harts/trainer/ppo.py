@@ -18,7 +18,10 @@ Why each piece is as it is:
   since the weights that computed them are gone by then;
 - advantages are estimated once per step of rollouts on all of it (an estimator may read every
   group: ``tree`` mixes the rewards of groups that share a node) and handed to the mini-batches
-  per token (:func:`harts.objectives.advantages.advantages_to_rollouts`);
+  per token (:func:`harts.objectives.advantages.advantages_to_rollouts`); with ``[critic]``,
+  GAE's from the critic's values of the step, computed once before its first update
+  (:mod:`harts.trainer.critic`), which a checkpoint between two updates saves as it saves the
+  old log-probs;
 - mini-batches hold whole groups, shuffled by a generator seeded from (seed, the step's place in
   the file, the PPO epoch) only, so an update's mini-batch is the same in a resumed run without
   any random state to restore.
@@ -43,6 +46,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.forward_only import forest_logprobs
 from harts.steps.policy import step_inputs
 from harts.trainer.config import ModelConfig, ObjectiveConfig, PPOSection, ReferenceSection, TrainConfig
+from harts.trainer.critic import Critic, with_gae
 from harts.trainer.inputs import group_spans, load_model
 
 __all__ = ["load_reference", "weights_sha256", "with_logprobs", "with_advantages", "mini_batches", "Update",
@@ -116,21 +120,28 @@ class Update:
 
 
 class StepUpdates:
-    """A step of rollouts made ready for its updates: reference log-probs, advantages and old
-    log-probs computed (the old ones taken from ``saved_old`` when resuming between updates),
-    then :meth:`updates` from PPO epoch ``start[0]``, mini-batch ``start[1]`` on."""
+    """A step of rollouts made ready for its updates: reference log-probs, the critic's values and
+    GAE, advantages and old log-probs computed (the old log-probs and values taken from
+    ``saved_old`` and ``saved_values`` when resuming between updates), then :meth:`updates` from
+    PPO epoch ``start[0]``, mini-batch ``start[1]`` on."""
 
     def __init__(self, config: TrainConfig, policy: nn.Module, reference: nn.Module | None, run: RunConfig,
-                 rollouts: list[Rollout], saved_old: list[torch.Tensor] | None = None):  # fmt: skip
+                 rollouts: list[Rollout], saved_old: list[torch.Tensor] | None = None,
+                 critic: Critic | None = None, saved_values: list[torch.Tensor] | None = None):  # fmt: skip
         began = time.perf_counter()
         temperature = config.objective.temperature
         self.ppo: PPOSection | None = config.ppo
         self.objective = config.objective
         self.old: list[torch.Tensor] | None = None  # what a checkpoint between updates saves
+        self.values: list[torch.Tensor] | None = None  # the critic's, saved there too
         if reference is not None:
             rollouts = with_logprobs(reference, rollouts, "ref_logprobs", run, temperature)
+        if critic is not None:
+            self.values = critic.values(rollouts) if saved_values is None else saved_values
+            rollouts = with_gae(policy, rollouts, self.values, config.objective)
+            self.objective = dataclasses.replace(config.objective, advantage=None, advantage_params={})
         if self.ppo is not None:
-            if config.objective.advantage is not None:
+            if self.objective.advantage is not None:
                 rollouts = with_advantages(policy, rollouts, config.objective)
                 self.objective = dataclasses.replace(config.objective, advantage=None, advantage_params={})
             reads_old = config.objective.loss_config().policy_loss.needs_behaviour_logprobs

@@ -60,7 +60,8 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(record: dict, total: int, eta_seconds: float) -> str:
-    """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat) | ...``."""
+    """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat) | ...``
+    (with a critic, its value loss and explained variance after ``gnorm``)."""
     parts = [
         f"step {record['step']}/{total}",
         f"epoch {record['epoch']}",
@@ -68,6 +69,8 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
         f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.2e}",
         f"gnorm {record['grad_norm']:.3g}",
+        *([f"vloss {record['value_loss']:.4f}", f"ev {record['explained_variance']:.3f}"]
+          if "value_loss" in record else []),  # fmt: skip
         f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat)",
         f"shared {record['redundancy']:.2f}x",
         f"{record['seconds']:.2f} s/step",
@@ -76,8 +79,8 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
     return " | ".join(parts)
 
 
-PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "redundancy",
-            "unique_tokens_per_s")  # fmt: skip
+PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "value_loss",
+           "explained_variance", "redundancy", "unique_tokens_per_s")  # fmt: skip
 
 
 def write_plot(metrics: Path, out: Path, keys: tuple[str, ...] = PLOTTED, markers: bool = True) -> str:

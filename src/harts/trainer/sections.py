@@ -1,4 +1,5 @@
-"""The config sections of what a run does besides training: ``[lora]``, ``[eval]``, ``[samples]``.
+"""The config sections of what a run does besides training the policy: ``[lora]``, ``[eval]``,
+``[samples]``, ``[critic]``.
 
 They live apart from :mod:`harts.trainer.config` (which reads them with the rest, key by key) to
 keep that module small; the shared value checks (``one_of``, ``positive_int``) live here too.
@@ -11,10 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoRASection", "EvalSection", "SamplesSection", "one_of", "positive_int", "ALL_LINEAR"]
+from harts.objectives.losses import Aggregation
+
+__all__ = ["LoRASection", "EvalSection", "SamplesSection", "CriticSection", "one_of", "positive_int",
+           "ALL_LINEAR", "DTYPES", "FROM_POLICY", "CRITIC_AGGREGATIONS"]  # fmt: skip
 
 #: ``lora.target_modules`` for every linear layer but the output head (peft's own shorthand)
 ALL_LINEAR = "all-linear"
+#: the dtypes a model (policy, reference, critic) may run in
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: ``critic.model`` for the policy's starting weights under a fresh value head
+FROM_POLICY = "policy"
+#: the value loss's aggregations (Dr. GRPO's constant normaliser has no meaning for a critic)
+CRITIC_AGGREGATIONS = tuple(a.value for a in Aggregation if a is not Aggregation.SEQ_MEAN_TOKEN_SUM_NORM)
 
 
 def one_of(key: str, value: Any, valid) -> None:
@@ -94,3 +104,57 @@ class SamplesSection:
     def __post_init__(self):
         positive_int("samples.every_steps", self.every_steps)
         positive_int("samples.max_new_tokens", self.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class CriticSection:
+    """A learned critic (value model) trained beside the policy, for ``objective.advantage = "gae"``.
+
+    ``model``: ``"policy"`` (the policy's starting weights, ``[model]``, under a fresh scalar head)
+    or a local directory: a ``*ForTokenClassification`` with ``num_labels = 1`` (verl's critic), a
+    critic a ``harts train`` checkpoint wrote (``step-N/critic``), or a causal LM whose backbone gets
+    a fresh head. A fresh head is the family's ``*ForTokenClassification`` where transformers has
+    one, else :class:`harts.ValueHead` (``harts.trainer.critic``). Its own AdamW (``lr``,
+    ``weight_decay``, ``betas``, ``eps``) follows the run's ``[schedule]``; its gradients are
+    clipped to ``max_grad_norm`` (absent: the run's; 0: not clipped). The value loss is verl's,
+    ``value_clip`` its ``cliprange_value`` (0: unclipped), over ``aggregation``, under
+    ``budget_tokens`` unique tokens per micro-batch (absent: ``run.budget_tokens``).
+    """
+
+    model: str
+    dtype: str | None = None  # None: the policy's
+    device: str | None = None  # None: the policy's
+    seed: int | None = None  # the fresh head's initialisation; None: the top-level seed
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = None  # None: the run's max_grad_norm; 0: no clipping
+    value_clip: float = 0.5  # 0: the unclipped loss
+    aggregation: str = "token-mean"
+    budget_tokens: int | None = None  # None: the run's run.budget_tokens
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError(f"critic.model: expected \"{FROM_POLICY}\" or a local model directory, got ''")
+        if self.dtype is not None:
+            one_of("critic.dtype", self.dtype, DTYPES)
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"critic.lr: expected a positive number, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"critic.weight_decay: expected >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"critic.betas: expected two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0:
+            raise ValueError(f"critic.eps: expected a positive number, got {self.eps}")
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise ValueError(f"critic.max_grad_norm: expected >= 0, got {self.max_grad_norm}")
+        if not 0 <= self.value_clip < float("inf"):
+            raise ValueError(f"critic.value_clip: expected a number >= 0 (0: unclipped), got "
+                             f"{self.value_clip}")  # fmt: skip
+        one_of("critic.aggregation", self.aggregation, CRITIC_AGGREGATIONS)
+        positive_int("critic.budget_tokens", self.budget_tokens)
+
+    @property
+    def from_policy(self) -> bool:
+        return self.model == FROM_POLICY
