@@ -27,7 +27,8 @@ files written under OUT:
   metrics.png                         loss and metrics against the step (when matplotlib is installed)
   checkpoints/step-NNNNNN/            the model (save_pretrained: AutoModelForCausalLM.from_pretrained
                                       loads it), optimizer, scheduler and RNG states, data position,
-                                      the config; manifest.json (sizes, sha256) is written last
+                                      the config; manifest.json (sizes, sha256) is written last;
+                                      with [critic], the critic in critic/
 several processes: torchrun --nproc_per_node=N -m harts train CONFIG.toml (section [distributed])
 exit status: 0 done, 1 a non-finite step, 2 bad input, 3 another rank failed, 130 interrupted (143 on SIGTERM)
 config reference: docs/training.md"""
