@@ -8,7 +8,10 @@ optimizers and schedules, the loop, checkpoints that survive a kill, progress an
 - ``inputs``: the model, the data stream and position, the random states;
 - ``checkpoint``: atomic checkpoint directories with a manifest, verified before loading;
 - ``progress``: the progress line, ``metrics.jsonl``, the plot; ``logging_backends``: TensorBoard, wandb;
-- ``lora``: LoRA adapters (peft); ``sections``: the ``[lora]``, ``[eval]``, ``[samples]`` config sections;
+- ``lora``: LoRA adapters (peft); ``sections``: the ``[lora]``, ``[eval]``, ``[samples]``, ``[critic]``
+  config sections;
+- ``ppo``: the reference and old log-prob passes, PPO's mini-batches; ``critic``: the value model
+  beside the policy (its values, GAE, its update, its checkpoint form);
 - ``run``: the run skeleton ``harts train`` and ``harts rl`` share (set-up, resume, save, clip-and-step,
   metrics, progress, plot);
 - ``loop``: ``train(config, out, resume)``; ``command``: the ``harts train`` command line.
