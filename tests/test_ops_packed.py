@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import harts
+from harts.ops.chunked.packed import PackedChunks
 from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 from harts.ops.tree_recurrence import tree_recurrence
 from harts.plan.linear import plan_linear
@@ -112,6 +113,17 @@ def test_packed_strong_decay_does_not_overflow(kind):
     torch.manual_seed(1)
     forest = harts.build_forest(FORESTS["twigs"])
     check_against_reference(forest, packed_chunk_plan(forest, 64), *KINDS[kind], strength=40.0)
+
+
+def test_per_key_decays_factor_only_within_their_span():
+    """The forms the tests above run through: factored for moderate gates, pairwise past the span."""
+    forest = harts.build_forest(FORESTS["twigs"])
+    x = PackedChunks(packed_chunk_plan(forest, 16))
+    k = torch.randn(forest.num_tokens, 2, 8)
+    assert x.decays(-torch.rand(forest.num_tokens, 2, 8), k).rows is not None
+    strong = x.decays(-torch.rand(forest.num_tokens, 2, 8) * 40, k)
+    assert strong.rows is None and strong.pairs.shape[-1] == 8
+    assert x.decays(-torch.rand(forest.num_tokens, 2) * 40, k).pairs.dim() == 4  # one per head: pairwise
 
 
 def test_packed_plan_shape():

@@ -15,10 +15,11 @@ per chunk serves every entry. Each emitted state is then S_p = T_p S0_e(p) + D_p
 :class:`~harts.ops.chunked.scan.TreeStateScan` over the emit DAG's levels; the reads of the entry
 states run once per group (tokens of a chunk sharing an entry).
 
-Decays are formed pairwise as exp of a masked difference of path sums (never a product of
-e^{G_t} and e^{-G_i}, which overflows once a path sum passes -88), the path sums in fp64 so that
-a large early decay costs no precision in a later difference. With per-key gates that is a
-[C, C, K] tensor per chunk and head: C times the inputs' memory.
+Decays (:class:`Decays`) never overflow: with one gate per head they are formed pairwise, exp of
+a masked difference of path sums (fp64, so that a large early decay costs no precision in a later
+difference); with a gate per key channel they factor about each chunk's midpoint path sum when
+the chunk's sums stay within a spread of :data:`FACTOR_SPAN` (the usual case: matmuls), and are
+formed pairwise otherwise ([C, C, K] per chunk and head, C times the inputs' memory).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from harts.ops.chunked.gate import head_gate
 from harts.ops.chunked.scan import TreeStateScan
 from harts.plan.packed_chunks import PackedChunkPlan
 
-__all__ = ["PackedChunks"]
+__all__ = ["FACTOR_SPAN", "Decays", "PackedChunks"]
 
 
 class PackedChunks:
@@ -54,10 +55,9 @@ class PackedChunks:
         """[H, M, C, V] -> [N, H, V] in ``dtype``."""
         return o.movedim(0, 2).reshape(-1, o.shape[0], o.shape[-1])[: self.plan.num_tokens].to(dtype)
 
-    def decays(self, g: torch.Tensor, k: torch.Tensor):
-        """(D, Gamma): D [H, M, C, C] (one gate per head) or [H, M, C, C, K], exp(G_t - G_i) on
-        ancestor-or-self pairs and 0 elsewhere; Gamma = e^{G} [H, M, C, 1] or [H, M, C, K]: the
-        decay from each token's entry. ``g`` [N, H] / [N, H, 1] / [N, H, K] per token."""
+    def decays(self, g: torch.Tensor, k: torch.Tensor) -> Decays:
+        """The in-chunk decays of ``g`` [N, H] / [N, H, 1] / [N, H, K] (``k`` [N, H, K] tells a gate
+        per head from one per key channel)."""
         per_head = head_gate(g, k)
         gate = self.cut(per_head if per_head is not None else g).double()
         inc = self.inclusive.double()
@@ -65,28 +65,20 @@ class PackedChunks:
             G = (inc @ gate[..., None])[..., 0]  # [H, M, C] path sums from the entry
             diff = G[..., :, None] - G[..., None, :]
             D = torch.exp(diff.masked_fill(~self.inclusive, -torch.inf)).float()
-            return D, torch.exp(G).float()[..., None]
+            return Decays(self, torch.exp(G).float()[..., None], pairs=D)
         G = inc @ gate  # [H, M, C, K]
-        diff = G[..., :, None, :] - G[..., None, :, :]
-        D = torch.exp(diff.masked_fill(~self.inclusive[..., None], -torch.inf)).float()
-        return D, torch.exp(G).float()
-
-    @staticmethod
-    def scores(a: torch.Tensor, b: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-        """[H, M, C, C]: sum_c a_t[c] b_i[c] D[t, i(, c)] (zero off ancestor-or-self pairs)."""
-        if D.dim() == a.dim():
-            return (a @ b.transpose(-1, -2)) * D
-        return (a[..., :, None, :] * b[..., None, :, :] * D).sum(-1)
-
-    def emit_pieces(self, D: torch.Tensor, Gamma: torch.Tensor, k: torch.Tensor):
-        """For each emitted token p: (Kd [H, P, C, K]: k_i D[p, i] over its chunk, Gamma_p [H, P, K],
-        its chunk [P])."""
-        p = self.plan
-        chunk = torch.div(p.emit_token, p.chunk_size, rounding_mode="floor")
-        slot = p.emit_token - chunk * p.chunk_size
-        row = D[:, chunk, slot]  # [H, P, C] or [H, P, C, K]
-        kd = k[:, chunk] * (row[..., None] if row.dim() == 3 else row)
-        return kd, Gamma[:, chunk, slot].expand(*kd.shape[:2], kd.shape[-1]), chunk
+        span = G.amax(-2) - G.amin(-2)  # [H, M, K]: every G of a chunk lies within span of its midpoint
+        if float(span.detach().max()) <= FACTOR_SPAN:
+            mid = (G.amax(-2, keepdim=True) + G.amin(-2, keepdim=True)) / 2
+            return Decays(self, torch.exp(G).float(), rows=torch.exp(G - mid).float(),
+                          cols=torch.exp(mid - G).float())  # fmt: skip
+        # G_t - G_i in fp32 from G = hi + lo: hi_t - hi_i is rounded once, relative to the difference
+        # itself, and lo carries what fp32 cannot hold of a long path sum.
+        hi = G.float()
+        lo = (G - hi.double()).float()
+        diff = (hi[..., :, None, :] - hi[..., None, :, :]) + (lo[..., :, None, :] - lo[..., None, :, :])
+        return Decays(self, torch.exp(G).float(), pairs=torch.exp(diff.masked_fill(~self.inclusive[..., None],
+                                                                                   -torch.inf)))  # fmt: skip
 
     def scan(self, trans: torch.Tensor, drive: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
         """The states buffer [R + P, H, K, V]: the roots' initial states, then every emitted state,
@@ -110,3 +102,51 @@ class PackedChunks:
         else:
             out = x @ s0
         return list(out.split(p.chunk_size, -2))
+
+
+#: Largest spread (max - min) of a chunk's path sums, per key channel, for which the per-key decays
+#: factor as e^{G_t - mid} e^{mid - G_i}: each factor within e^{+-20} (no overflow, and each
+#: exponent's fp32 rounding at most 20 ulps of 1 in relative terms, as the causal chunk's factors).
+FACTOR_SPAN = 40.0
+
+
+class Decays:
+    """D[t, i] = exp(G_t - G_i) on ancestor-or-self pairs of each chunk, in one of three forms:
+
+    - ``pairs`` [H, M, C, C]: one gate per head (a scalar per pair, formed directly);
+    - ``rows``, ``cols`` [H, M, C, K]: a gate per key channel whose path sums stay within
+      :data:`FACTOR_SPAN` in every chunk: e^{G_t - mid} and e^{mid - G_i}, so scores are matmuls;
+    - ``pairs`` [H, M, C, C, K]: a gate per key channel with a wider spread (strong decays): formed
+      pairwise as D[t, i] k_i once, read by every score and emitted state (C times the inputs).
+
+    ``gamma`` = e^{G} [H, M, C, 1 or K]: the decay from each token's entry.
+    """
+
+    def __init__(self, chunks: PackedChunks, gamma, pairs=None, rows=None, cols=None):
+        self.chunks, self.gamma, self.pairs, self.rows, self.cols = chunks, gamma, pairs, rows, cols
+
+    def scores(self, a: torch.Tensor, k: torch.Tensor, strict: bool = False) -> torch.Tensor:
+        """[H, M, C, C]: sum_c a_t[c] k_i[c] D[t, i(, c)] over ancestor-or-self pairs (strict
+        ancestors only if ``strict``), zero elsewhere."""
+        mask = self.chunks.strict if strict else self.chunks.inclusive
+        if self.rows is not None:
+            return ((a * self.rows) @ (k * self.cols).transpose(-1, -2)) * mask
+        if self.pairs.dim() == a.dim():
+            return (a @ k.transpose(-1, -2)) * self.pairs * mask
+        return (self.pairs * k[..., None, :, :] @ a[..., None])[..., 0] * mask
+
+    def emit_pieces(self, k: torch.Tensor):
+        """For each emitted token p: (k_i D[p, i] over its chunk [H, P, C, K], e^{G_p} [H, P, K],
+        its chunk [P])."""
+        p = self.chunks.plan
+        chunk = torch.div(p.emit_token, p.chunk_size, rounding_mode="floor")
+        slot = p.emit_token - chunk * p.chunk_size
+        if self.rows is not None:
+            row = self.cols[:, chunk] * self.rows[:, chunk, slot, None]
+            row = row * self.chunks.inclusive[chunk, slot, :, None]
+        elif self.pairs.dim() == k.dim():
+            row = self.pairs[:, chunk, slot][..., None]
+        else:
+            row = self.pairs[:, chunk, slot]
+        kd = k[:, chunk] * row
+        return kd, self.gamma[:, chunk, slot].expand(*kd.shape[:2], kd.shape[-1]), chunk

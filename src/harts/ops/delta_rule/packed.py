@@ -20,14 +20,15 @@ def packed_gated_delta_rule(q, k, v, g, beta, plan: PackedChunkPlan, initial_sta
     x = PackedChunks(plan)
     qc, kc, vc = x.cut(q) * scale, x.cut(k), x.cut(v)
     b = x.cut(beta)[..., None]  # [H, M, C, 1]
-    D, Gamma = x.decays(g, k)
-    P = x.scores(qc, kc, D)
-    A = x.scores(kc, kc, D) * x.strict  # strict ancestors: unit lower triangular system
+    d = x.decays(g, k)
+    Gamma = d.gamma
+    P = d.scores(qc, kc)
+    A = d.scores(kc, kc, strict=True)  # strict ancestors: unit lower triangular system
     V = vc.shape[-1]
     rhs = torch.cat([vc * b, kc * Gamma * b], -1)
     X = torch.linalg.solve_triangular(b * A, rhs, upper=False, unitriangular=True)
     W, Kc = X[..., :V], X[..., V:]  # u = W - Kc S0_e
-    kd, gamma, chunk = x.emit_pieces(D, Gamma, kc)
+    kd, gamma, chunk = d.emit_pieces(kc)
     kd_t = kd.transpose(-1, -2)  # [H, P, K, C]
     trans = torch.diag_embed(gamma) - kd_t @ Kc[:, chunk]
     states = x.scan(trans, kd_t @ W[:, chunk], initial_state)

@@ -16,8 +16,8 @@ def packed_gated_linear_attention(q, k, v, g, plan: PackedChunkPlan, initial_sta
     scale = 1.0 if scale is None else scale
     x = PackedChunks(plan)
     qc, kc, vc = x.cut(q) * scale, x.cut(k), x.cut(v)
-    D, Gamma = x.decays(g, k)
-    kd, gamma, chunk = x.emit_pieces(D, Gamma, kc)
+    d = x.decays(g, k)
+    kd, gamma, chunk = d.emit_pieces(kc)
     states = x.scan(gamma, kd.transpose(-1, -2) @ vc[:, chunk], initial_state)
-    (read_q,) = x.reads(states, qc * Gamma)
-    return x.outputs(read_q + x.scores(qc, kc, D) @ vc, q.dtype), states
+    (read_q,) = x.reads(states, qc * d.gamma)
+    return x.outputs(read_q + d.scores(qc, kc) @ vc, q.dtype), states
