@@ -37,7 +37,7 @@ from harts.plan.linear_cost import PlanMode
 __all__ = ["DEFAULT_PACKED_CHUNK", "PackedChunkPlan", "packed_chunk_plan"]
 
 #: The chunk :func:`packed_chunk_plan` takes when none is given (measured, docs/benchmarks.md).
-DEFAULT_PACKED_CHUNK = 32
+DEFAULT_PACKED_CHUNK = 16
 
 
 @dataclass
