@@ -38,7 +38,7 @@ def model_of(family: str):
 
 
 
-def check_forest(model, trajectories) -> tuple[float, float]:
+def check_forest(model, trajectories, run: harts.RunConfig | None = None) -> tuple[float, float]:
     """Compare tree and per-trajectory logits, log-probs and gradients; return the worst errors."""
     weights = functional_weights(trajectories, model.config.vocab_size)
     ref_logits, ref_grads = reference_grads(model, trajectories, weights)
@@ -47,7 +47,7 @@ def check_forest(model, trajectories) -> tuple[float, float]:
         stock32 = [stock_logits(model, t) for t in trajectories]
     model.zero_grad(set_to_none=True)
     forest = harts.build_forest(trajectories)
-    out = harts.forward(model, forest)
+    out = harts.forward(model, forest, run)
     loss = 0.0
     worst_logit = 0.0
     for i, w in enumerate(weights):
@@ -85,13 +85,13 @@ def test_edge_shapes(family, shape):
 SUM = harts.Normalizers(torch.tensor(1.0), torch.tensor(1.0))  # token mean over 1: the plain sum
 
 
-def check_step(model, trajectories, budget: int | None) -> None:
+def check_step(model, trajectories, budget: int | None, run: harts.RunConfig | None = None) -> None:
     """The SFT sum through the one step under ``budget`` against the stock fp64 per-trajectory sum."""
     ref_loss, ref_grads = reference_sft_grads(model, trajectories)
     model.zero_grad(set_to_none=True)
     rollouts = [harts.Rollout(t) for t in trajectories]
     result = harts.rollout_step(model, rollouts, harts.PolicyLossConfig(kind="sft"), normalizers=SUM,
-                                budget_tokens=budget)  # fmt: skip
+                                budget_tokens=budget, run=run)  # fmt: skip
     if budget is not None:
         assert max(result.tokens_per_micro_batch) <= budget
     assert abs(float(result.loss) - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
@@ -131,6 +131,22 @@ def random_forests(draw):
         tail = draw(st.lists(alphabet, min_size=0 if cut else 1, max_size=12))
         trajs.append(base[:cut] + tail)
     return trajs
+
+
+#: one family per linear kernel: Gated DeltaNet (a gate per head), KDA (per key channel), lightning
+#: attention (gated linear attention, a fixed gate per head), Mamba-2 (gated linear attention)
+PACKED_FAMILIES = [f for f in ("qwen3_next", "kimi_linear", "minimax", "nemotron_h") if f in FAMILIES]
+PACKED_SHAPES = ["stacked-branches", "short-parents", "chunk-edges-63-64-65", "unrelated-roots"]
+
+
+@pytest.mark.parametrize("shape", PACKED_SHAPES)
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_packed_linear_plan(family, shape):
+    """Linear layers over packed chunks (chunks spanning nodes): the same bounds, whole forest and
+    through the budgeted step (node states handed to later micro-batches)."""
+    run = harts.RunConfig(linear_plan="packed")
+    check_forest(model_of(family), EDGE_SHAPES[shape], run)
+    check_step(model_of(family), EDGE_SHAPES[shape], budget=7, run=run)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

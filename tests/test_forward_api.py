@@ -79,7 +79,7 @@ def test_flat_layout_matches_tree(model):
             assert (tree.trajectory_logits(i) - flat.trajectory_logits(i)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["depth", "chain", "auto"])
+@pytest.mark.parametrize("mode", ["depth", "chain", "packed", "auto"])
 def test_run_config_plans_change_calls_not_results(model, mode):
     trajs = [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 10, 11, 12, 13], [4, 5, 6, 7, 20, 21]]
     forest = harts.build_forest(trajs)

@@ -35,7 +35,7 @@ def _fewest(forest) -> int:
     return max(f[r] for r in (forest.node_parent < 0).nonzero().squeeze(1).tolist())
 
 
-CALL_MODES = [m for m in PlanMode if m is not PlanMode.TREE]  # the plans made of calls
+CALL_MODES = [m for m in PlanMode if m not in (PlanMode.TREE, PlanMode.PACKED)]  # the plans made of calls
 CALLS_ONLY = LinearCostModel(consider_chunk_tree=False)  # AUTO among plans of calls
 
 

@@ -24,6 +24,9 @@ Mamba-2's SSD, ...) is described once by a :class:`Recurrence`:
   resolves the op on every call: the active backend's kernel registered under the recurrence's
   ``name`` (:mod:`harts.ops.backends`), else ``chunked``;
 - ``tree_kernel``: the same over a chunk tree (:mod:`harts.plan.chunk_tree`), one call per layer;
+- ``packed_kernel``: the same over packed chunks (:mod:`harts.plan.packed_chunks`: chunks that hold
+  the tokens of several nodes), one call per layer, returning the states buffer (the roots'
+  initial states, then every emitted state) in place of per-chunk end states;
 - ``reference``: a plain per-token loop, ``ref(*inputs [B, T, H, ...], initial_state, scale) ->
   (o, final)`` in fp64, the oracle the tests compare the chunked op (and the tree runs) against.
 
@@ -50,11 +53,13 @@ from harts.ops.delta_rule import (
     chunk_tree_gated_delta_rule,
     chunked_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
+    packed_gated_delta_rule,
 )
 from harts.ops.gated_linear_attention import (
     chunk_tree_gated_linear_attention,
     chunked_gated_linear_attention,
     naive_recurrent_gated_linear_attention,
+    packed_gated_linear_attention,
 )
 
 __all__ = ["Recurrence", "DELTA_RULE", "GATED_LINEAR_ATTENTION"]
@@ -75,6 +80,7 @@ class Recurrence:
     key_input: str = "k"
     value_input: str = "v"
     tree_kernel: Callable | None = None
+    packed_kernel: Callable | None = None
     per_head_inputs: tuple[str, ...] = ()
 
     def kernel(self) -> Callable:
@@ -110,12 +116,12 @@ class Recurrence:
 #: beta [N, H]. Scale default K^-0.5.
 DELTA_RULE = Recurrence(
     "delta_rule", ("q", "k", "v", "g", "beta"), chunked_gated_delta_rule, naive_recurrent_gated_delta_rule,
-    tree_kernel=chunk_tree_gated_delta_rule, per_head_inputs=("g",),
+    tree_kernel=chunk_tree_gated_delta_rule, packed_kernel=packed_gated_delta_rule, per_head_inputs=("g",),
 )  # fmt: skip
 
 #: q, k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay per key channel, or per head [N, H]. Scale default 1.
 GATED_LINEAR_ATTENTION = Recurrence(
     "gated_linear_attention", ("q", "k", "v", "g"), chunked_gated_linear_attention,
     naive_recurrent_gated_linear_attention, tree_kernel=chunk_tree_gated_linear_attention,
-    per_head_inputs=("g",),
+    packed_kernel=packed_gated_linear_attention, per_head_inputs=("g",),
 )  # fmt: skip

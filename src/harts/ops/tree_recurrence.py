@@ -40,6 +40,7 @@ from harts.ops.precision import no_autocast
 from harts.ops.recurrence import DELTA_RULE, Recurrence
 from harts.plan.chunk_tree import ChunkTreePlan
 from harts.plan.linear import LinearCall, LinearPlan
+from harts.plan.packed_chunks import PackedChunkPlan
 
 __all__ = ["tree_gated_delta_rule", "tree_recurrence"]
 
@@ -91,6 +92,8 @@ def _tree_recurrence(recurrence, inputs, plan, scale, root_states, recompute):
     recompute = recompute and torch.is_grad_enabled()
     if isinstance(plan, ChunkTreePlan):
         return _run_chunk_tree(recurrence, inputs, plan, scale, root_states, zero_state, recompute)
+    if isinstance(plan, PackedChunkPlan):
+        return _run_packed(recurrence, inputs, plan, scale, root_states, zero_state, recompute)
     kernel = recurrence.kernel()
     states: dict[int, torch.Tensor] = {}
     outputs = []
@@ -117,7 +120,8 @@ def _tree_recurrence(recurrence, inputs, plan, scale, root_states, recompute):
 
 
 class _NodeStates(Mapping):
-    """{node: final state [H, K, V]} read from a chunk tree's end states, one view per lookup."""
+    """{node: final state [H, K, V]} read from a chunk tree's end states (or a packed plan's
+    states buffer), one view per lookup."""
 
     def __init__(self, ends: torch.Tensor, last_chunk: list[int]):
         self.ends, self.last_chunk = ends, last_chunk
@@ -144,6 +148,20 @@ def _run_chunk_tree(recurrence, inputs, plan: ChunkTreePlan, scale, root_states,
 
     o, ends = checkpoint(run, init, *inputs, use_reentrant=False) if recompute else run(init, *inputs)
     return o, _NodeStates(ends, plan.node_last_chunk.tolist())
+
+
+def _run_packed(recurrence, inputs, plan: PackedChunkPlan, scale, root_states, zero_state, recompute):
+    """The whole plan in one call of the recurrence's packed kernel."""
+    if recurrence.packed_kernel is None:
+        raise ValueError(f"{recurrence.name} has no packed-chunk kernel; use another linear plan")
+    kernel = recurrence.packed_kernel
+    init = torch.stack([root_states.get(node, zero_state) for node in plan.root_nodes], dim=0)
+
+    def run(init, *inputs):
+        return kernel(*inputs, plan=plan, initial_state=init, scale=scale)
+
+    o, states = checkpoint(run, init, *inputs, use_reentrant=False) if recompute else run(init, *inputs)
+    return o, _NodeStates(states, plan.node_state_row.tolist())
 
 
 def _run_call(kernel, call: LinearCall, scale, init, *inputs):

@@ -35,6 +35,7 @@ import torch
 from harts.forest import Forest
 from harts.plan.chunk_tree import ChunkTreePlan, choose_chunk, chunk_tree_plan
 from harts.plan.linear_cost import LinearCostModel, PlanMode
+from harts.plan.packed_chunks import PackedChunkPlan, packed_chunk_plan
 
 __all__ = [
     "LinearCall",
@@ -335,7 +336,7 @@ def plan_linear(
     mode: PlanMode | str = PlanMode.AUTO,
     cost_model: LinearCostModel | None = None,
     bucket: bool = True,
-) -> LinearPlan | ChunkTreePlan:
+) -> LinearPlan | ChunkTreePlan | PackedChunkPlan:
     """The linear-attention plan of ``mode``; for AUTO, the cheapest under ``cost_model``.
 
     AUTO costs, from call shapes alone (no gathers), the depth plan, the fewest-calls chain plan,
@@ -360,6 +361,8 @@ def plan_linear(
         return finish(chain_plan(forest))
     if mode is PlanMode.TREE:
         return chunk_tree_plan(forest, cost_model=model)
+    if mode is PlanMode.PACKED:
+        return packed_chunk_plan(forest)
     f, heavy = min_calls(forest)
     lengths = forest.node_length.tolist()
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()

@@ -38,6 +38,7 @@ class PlanMode(StrEnum):
     DEPTH = "depth"  # one call per depth level, one node per segment
     CHAIN = "chain"  # fewest calls: heavy-child chains, Horton-Strahler order
     TREE = "tree"  # one call: every node cut into chunks, chained down the chunk tree
+    PACKED = "packed"  # one call: the token order cut into chunks that span nodes (no per-node padding)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ class RunConfig:
       against the budget of a cut part, in [0, 1]; 0.25 by default (measured: a context row costs
       about a fifth of a token's activations).
     - ``linear_plan``: how linear-attention layers are cut into calls: ``auto`` (the cheapest under
-      ``cost_model``), ``depth`` (one call per depth level), ``chain`` (fewest calls) or ``tree``
+      ``cost_model``), ``depth`` (one call per depth level), ``chain`` (fewest calls), ``tree``
       (one call per layer over a chunk tree, :mod:`harts.plan.chunk_tree`; the plain-PyTorch kernels
-      on every backend, so ``auto`` considers it only under the default backend).
+      on every backend, so ``auto`` considers it only under the default backend) or ``packed`` (one
+      call per layer over chunks that span nodes, :mod:`harts.plan.packed_chunks`; plain PyTorch
+      too, and never chosen by ``auto``).
     - ``cost_model``: the linear-plan cost model, :mod:`harts.plan.linear_cost` (fitted on a 2-core
       CPU by default; refit on a GPU).
     - ``chunk_rows``: loss rows per chunk of the output head, bounding the [rows, vocab] logits.

@@ -13,5 +13,11 @@ Device kernels for it are a backend's (:mod:`harts.ops.fla_backend`).
 from harts.ops.delta_rule.chunk import chunked_gated_delta_rule
 from harts.ops.delta_rule.chunk_tree import chunk_tree_gated_delta_rule
 from harts.ops.delta_rule.naive import naive_recurrent_gated_delta_rule
+from harts.ops.delta_rule.packed import packed_gated_delta_rule
 
-__all__ = ["chunk_tree_gated_delta_rule", "chunked_gated_delta_rule", "naive_recurrent_gated_delta_rule"]
+__all__ = [
+    "chunk_tree_gated_delta_rule",
+    "chunked_gated_delta_rule",
+    "naive_recurrent_gated_delta_rule",
+    "packed_gated_delta_rule",
+]

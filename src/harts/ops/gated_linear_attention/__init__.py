@@ -11,9 +11,11 @@ Lightning attention (minimax), and the form of Mamba-2's SSD and Mamba's selecti
 from harts.ops.gated_linear_attention.chunk import chunked_gated_linear_attention
 from harts.ops.gated_linear_attention.chunk_tree import chunk_tree_gated_linear_attention
 from harts.ops.gated_linear_attention.naive import naive_recurrent_gated_linear_attention
+from harts.ops.gated_linear_attention.packed import packed_gated_linear_attention
 
 __all__ = [
     "chunk_tree_gated_linear_attention",
     "chunked_gated_linear_attention",
     "naive_recurrent_gated_linear_attention",
+    "packed_gated_linear_attention",
 ]

@@ -1,0 +1,150 @@
+"""Packed chunks (chunks that hold the tokens of several nodes) against the fp64 per-token reference
+on every trajectory alone: outputs, every node's final state, and the gradients of every input and
+of the roots' initial states under a random linear functional of outputs and states, for the gated
+delta rule (a gate per key channel, and one per head) and gated linear attention. Tolerances as
+tests/test_ops_recurrence.py (fp32 against fp64): max abs 1e-5 on values, relative 1e-5 on
+gradients.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harts
+from harts.ops.chunked.packed import PackedChunks
+from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
+from harts.ops.tree_recurrence import tree_recurrence
+from harts.plan.linear import plan_linear
+from harts.plan.packed_chunks import PackedChunkPlan, packed_chunk_plan
+from tests.helpers import PLAN_SHAPES, path_tokens, root_of
+
+ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def twigs(seed: int = 3, trajectories: int = 48) -> list[list[int]]:
+    """A bushy forest of 1-3 token nodes: branching inside every chunk, many node edges in each."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(trajectories):
+        base = out[rng.randrange(len(out))] if out else [1]
+        cut = rng.randrange(1, len(base) + 1)
+        out.append(base[:cut] + [rng.randrange(2, 50) for _ in range(rng.randrange(1, 4))] + [50 + i])
+    return out
+
+
+FORESTS = {
+    "twigs": twigs(),
+    "roots-3": PLAN_SHAPES["roots-3"],
+    "caterpillar-D8": PLAN_SHAPES["caterpillar-D8"],
+    "star-P9-G5": PLAN_SHAPES["star-P9-G5"],
+    "chunk-boundaries-T200": PLAN_SHAPES["chunk-boundaries-T200"],  # node edges on chunk edges
+}
+KINDS = {
+    "delta-per-key": (DELTA_RULE, "key"),
+    "delta-per-head": (DELTA_RULE, "head"),
+    "gla-per-key": (GATED_LINEAR_ATTENTION, "key"),
+    "gla-per-head": (GATED_LINEAR_ATTENTION, "head"),
+}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(recurrence, gate: str, n, h, dk, dv, strength=2.0):
+    q = F.normalize(torch.randn(n, h, dk), dim=-1)
+    k = F.normalize(torch.randn(n, h, dk), dim=-1)
+    v = torch.randn(n, h, dv)
+    g = -torch.rand(n, h, dk) * strength if gate == "key" else -torch.rand(n, h) * strength
+    extra = (torch.rand(n, h),) if recurrence is DELTA_RULE else ()
+    return tuple(x.requires_grad_() for x in (q, k, v, g, *extra))
+
+
+def check_against_reference(forest, plan, recurrence, gate, strength=2.0):
+    h, dk, dv = 2, 8, 4
+    inputs = _inputs(recurrence, gate, forest.num_tokens, h, dk, dv, strength)
+    roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
+    root_states = {r: (0.3 * torch.randn(h, dk, dv)).requires_grad_() for r in roots}
+    leaves = (*inputs, *root_states.values())
+    out, states = tree_recurrence(recurrence, inputs, plan, root_states=root_states)
+    assert set(states) == set(range(forest.num_nodes))
+    w_out = torch.randn_like(out)
+    w_state = torch.randn(forest.num_nodes, h, dk, dv)
+    loss = (out * w_out).sum() + sum((states[m] * w_state[m]).sum() for m in states)
+    got = torch.autograd.grad(loss, leaves)
+
+    def naive(idx, root):
+        return recurrence.reference(*(x[idx][None] for x in inputs), initial_state=root_states[root][None])
+
+    ref_loss = 0.0
+    for i in range(forest.num_trajectories):
+        idx = forest.trajectory_token_indices(i)
+        ref, _ = naive(idx, root_of(forest, int(forest.trajectory_end_node[i])))
+        assert (out[idx].double() - ref[0]).abs().max() <= ATOL
+        mult = forest.token_multiplicity[idx][:, None, None]
+        ref_loss = ref_loss + (ref[0] * w_out[idx].double() / mult).sum()
+    for m in range(forest.num_nodes):
+        _, ref_state = naive(path_tokens(forest, m), root_of(forest, m))
+        assert (states[m].double() - ref_state[0]).abs().max() <= ATOL
+        ref_loss = ref_loss + (ref_state[0] * w_state[m].double()).sum()
+    want = torch.autograd.grad(ref_loss, leaves)
+    for name, got_, want_ in zip([*recurrence.inputs, *(f"root {r}" for r in roots)], got, want, strict=True):
+        assert rel(got_, want_) <= GRAD_RTOL, name
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("name", list(FORESTS))
+def test_packed_equals_each_trajectory_alone(name, kind, chunk):
+    torch.manual_seed(0)
+    forest = harts.build_forest(FORESTS[name])
+    check_against_reference(forest, packed_chunk_plan(forest, chunk), *KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_packed_strong_decay_does_not_overflow(kind):
+    """Path sums far below -88 inside a chunk: every decay is formed pairwise, never as e^G e^-G."""
+    torch.manual_seed(1)
+    forest = harts.build_forest(FORESTS["twigs"])
+    check_against_reference(forest, packed_chunk_plan(forest, 64), *KINDS[kind], strength=40.0)
+
+
+def test_per_key_decays_factor_only_within_their_span():
+    """The forms the tests above run through: factored for moderate gates, pairwise past the span."""
+    forest = harts.build_forest(FORESTS["twigs"])
+    x = PackedChunks(packed_chunk_plan(forest, 16))
+    k = torch.randn(forest.num_tokens, 2, 8)
+    assert x.decays(-torch.rand(forest.num_tokens, 2, 8), k).rows is not None
+    strong = x.decays(-torch.rand(forest.num_tokens, 2, 8) * 40, k)
+    assert strong.rows is None and strong.pairs.shape[-1] == 8
+    assert x.decays(-torch.rand(forest.num_tokens, 2) * 40, k).pairs.dim() == 4  # one per head: pairwise
+
+
+def test_packed_plan_shape():
+    """Only the last chunk is padded; every token enters from an earlier emit or a root; the emit
+    levels respect their sources; a chunk's groups partition its slots."""
+    forest = harts.build_forest(FORESTS["twigs"])
+    plan = plan_linear(forest, "packed")
+    assert isinstance(plan, PackedChunkPlan) and plan.mode.value == "packed" and plan.num_calls == 1
+    n, c, r = forest.num_tokens, plan.chunk_size, len(plan.root_nodes)
+    assert plan.padded_tokens == plan.num_chunks * c - n < c
+    level_of = np.empty(plan.num_emits, dtype=np.int64)
+    for d, lv in enumerate(plan.levels):
+        level_of[lv.numpy()] = d
+    src = plan.emit_source.numpy()
+    inner = src >= r
+    assert (level_of[src[inner] - r] < level_of[inner]).all()
+    assert (plan.emit_token[torch.as_tensor(src[inner] - r)] < plan.emit_token[inner]).all()
+    chunk_of_slot = torch.arange(plan.num_chunks)[:, None].expand(-1, c)
+    assert torch.equal(plan.group_chunk[plan.slot_group], chunk_of_slot)
+    assert not plan.ancestors.triu().any()
+    for small in (packed_chunk_plan(forest, 4), packed_chunk_plan(forest, 64)):
+        assert small.num_chunks == -(-n // small.chunk_size)
+    with pytest.raises(ValueError, match="power of two"):
+        packed_chunk_plan(forest, 12)
