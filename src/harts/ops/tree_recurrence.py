@@ -90,10 +90,15 @@ def _tree_recurrence(recurrence, inputs, plan, scale, root_states, recompute):
     q = inputs[0]
     zero_state = torch.zeros(h, dk, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     recompute = recompute and torch.is_grad_enabled()
-    if isinstance(plan, ChunkTreePlan):
-        return _run_chunk_tree(recurrence, inputs, plan, scale, root_states, zero_state, recompute)
-    if isinstance(plan, PackedChunkPlan):
-        return _run_packed(recurrence, inputs, plan, scale, root_states, zero_state, recompute)
+    one_call = {  # plans run as one call: (kernel, its name, the plan's row of each node's final state)
+        ChunkTreePlan: lambda: (recurrence.tree_kernel, "chunk-tree", plan.node_last_chunk),
+        PackedChunkPlan: lambda: (recurrence.packed_kernel, "packed-chunk", plan.node_state_row),
+    }.get(type(plan))
+    if one_call is not None:
+        kernel, form, rows = one_call()
+        if kernel is None:
+            raise ValueError(f"{recurrence.name} has no {form} kernel; use another linear plan")
+        return _run_one_call(kernel, inputs, plan, rows.tolist(), scale, root_states, zero_state, recompute)
     kernel = recurrence.kernel()
     states: dict[int, torch.Tensor] = {}
     outputs = []
@@ -136,32 +141,16 @@ class _NodeStates(Mapping):
         return len(self.last_chunk)
 
 
-def _run_chunk_tree(recurrence, inputs, plan: ChunkTreePlan, scale, root_states, zero_state, recompute):
-    """The whole plan in one call of the recurrence's chunk-tree kernel."""
-    if recurrence.tree_kernel is None:
-        raise ValueError(f"{recurrence.name} has no chunk-tree kernel; use another linear plan")
-    kernel = recurrence.tree_kernel
-    init = torch.stack([root_states.get(node, zero_state) for node in plan.root_nodes], dim=0)
-
-    def run(init, *inputs):
-        return kernel(*inputs, plan=plan, initial_state=init, scale=scale)
-
-    o, ends = checkpoint(run, init, *inputs, use_reentrant=False) if recompute else run(init, *inputs)
-    return o, _NodeStates(ends, plan.node_last_chunk.tolist())
-
-
-def _run_packed(recurrence, inputs, plan: PackedChunkPlan, scale, root_states, zero_state, recompute):
-    """The whole plan in one call of the recurrence's packed kernel."""
-    if recurrence.packed_kernel is None:
-        raise ValueError(f"{recurrence.name} has no packed-chunk kernel; use another linear plan")
-    kernel = recurrence.packed_kernel
+def _run_one_call(kernel, inputs, plan, node_rows: list[int], scale, root_states, zero_state, recompute):
+    """A one-call plan (the chunk tree, packed chunks) in one call of its kernel; node m's final state
+    is row ``node_rows[m]`` of the states the kernel returns."""
     init = torch.stack([root_states.get(node, zero_state) for node in plan.root_nodes], dim=0)
 
     def run(init, *inputs):
         return kernel(*inputs, plan=plan, initial_state=init, scale=scale)
 
     o, states = checkpoint(run, init, *inputs, use_reentrant=False) if recompute else run(init, *inputs)
-    return o, _NodeStates(states, plan.node_state_row.tolist())
+    return o, _NodeStates(states, node_rows)
 
 
 def _run_call(kernel, call: LinearCall, scale, init, *inputs):
