@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from datetime import timedelta
 
@@ -278,6 +279,10 @@ def main() -> None:
             torch.save(results, out)
         dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
+        # FSDP2 modules and DTensors hold the process group in reference cycles: free them while it
+        # exists, not at interpreter exit after it is destroyed (a rank then aborted now and then,
+        # "terminate called without an active exception")
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 from datetime import timedelta
 
@@ -371,6 +372,7 @@ def main() -> None:
             torch.save(results, out)
         dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
+        gc.collect()  # the FSDP2 engines' cycles hold the process group: free them before it is destroyed
         dist.destroy_process_group()
 
 
