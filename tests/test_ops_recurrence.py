@@ -26,7 +26,8 @@ from harts.ops.tree_attention import tree_attention
 from harts.ops.tree_recurrence import tree_gated_delta_rule, tree_recurrence
 from harts.plan.chunk_tree import chunk_tree_plan
 from harts.plan.linear import plan_linear
-from tests.helpers import PLAN_SHAPES, path_tokens, root_of
+from tests.helpers import PLAN_SHAPES
+from tests.recurrence_checks import check_against_reference
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -127,36 +128,7 @@ def test_tree_gla_equals_each_trajectory_alone(name, mode):
     torch.manual_seed(0)
     forest = harts.build_forest(PLAN_SHAPES[name])
     plan = chunk_tree_plan(forest, 8) if mode == "tree-C8" else plan_linear(forest, mode)
-    h, dk, dv = 2, 8, 4
-    inputs = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, h, dk, dv)
-    roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
-    root_states = {r: (0.3 * torch.randn(h, dk, dv)).requires_grad_() for r in roots}
-    leaves = (*inputs, *root_states.values())
-    out, states = tree_recurrence(GATED_LINEAR_ATTENTION, inputs, plan, root_states=root_states)
-    assert set(states) == set(range(forest.num_nodes))
-    w_out = torch.randn_like(out)
-    w_state = torch.randn(forest.num_nodes, h, dk, dv)
-    loss = (out * w_out).sum() + sum((states[m] * w_state[m]).sum() for m in states)
-    got = torch.autograd.grad(loss, leaves)
-
-    def naive(idx, root):
-        rows = (x[idx][None] for x in inputs)
-        return GATED_LINEAR_ATTENTION.reference(*rows, initial_state=root_states[root][None])
-
-    ref_loss = 0.0
-    for i in range(forest.num_trajectories):
-        idx = forest.trajectory_token_indices(i)
-        ref, _ = naive(idx, root_of(forest, int(forest.trajectory_end_node[i])))
-        assert (out[idx].double() - ref[0]).abs().max() <= ATOL
-        mult = forest.token_multiplicity[idx][:, None, None]
-        ref_loss = ref_loss + (ref[0] * w_out[idx].double() / mult).sum()
-    for m in range(forest.num_nodes):
-        _, ref_state = naive(path_tokens(forest, m), root_of(forest, m))
-        assert (states[m].double() - ref_state[0]).abs().max() <= ATOL
-        ref_loss = ref_loss + (ref_state[0] * w_state[m].double()).sum()
-    want = torch.autograd.grad(ref_loss, leaves)
-    for got_, want_ in zip(got, want, strict=True):
-        assert rel(got_, want_) <= GRAD_RTOL
+    check_against_reference(forest, plan, GATED_LINEAR_ATTENTION, "key")
 
 
 def test_delta_rule_through_the_contract_is_the_delta_rule():
