@@ -438,3 +438,14 @@ def run_train(config, out, *extra) -> int:
     except SystemExit as exc:
         return exc.code
     return 0
+
+
+def group_spans(rollouts) -> list[list[int]]:
+    """Indices of the rollouts of each group (runs of equal ``group_id``), in order."""
+    spans: list[list[int]] = []
+    for i, r in enumerate(rollouts):
+        if spans and rollouts[spans[-1][0]].group_id == r.group_id:
+            spans[-1].append(i)
+        else:
+            spans.append([i])
+    return spans

@@ -40,6 +40,7 @@ from harts.trainer.loop import train
 from harts.trainer.processes import Ranks
 from tests.helpers import (
     ROOT,
+    group_spans,
     kill_after,
     one_thread,  # noqa: F401 (autouse: one thread)
     run_train,
@@ -117,12 +118,7 @@ def _with_gae(critic, rollouts):
 
 def _ppo_epoch_order(rollouts, epoch: int) -> list:
     """The step's groups in PPO epoch ``epoch``'s order (one mini-batch), as docs/training.md says."""
-    spans: list[list[int]] = []
-    for i, r in enumerate(rollouts):
-        if spans and rollouts[spans[-1][0]].group_id == r.group_id:
-            spans[-1].append(i)
-        else:
-            spans.append([i])
+    spans = group_spans(rollouts)
     order = np.random.default_rng([SHUFFLE_SEED, 0, 0, epoch]).permutation(len(spans))
     return [rollouts[i] for g in order for i in spans[g]]
 

@@ -36,6 +36,7 @@ from tests.helpers import (
     CHAT_TEMPLATE,
     CONVERSATION,
     FAMILY,
+    group_spans,
     kill_after,
     one_thread,  # noqa: F401 (autouse: one thread)
     run_train,
@@ -73,16 +74,6 @@ def _config(tmp_path, top=None, **sections):
     for name, table in sections.items():
         tables[name] = {**tables.get(name, {}), **table}
     return write_config(tmp_path / "run.toml", {"steps": 2, "max_grad_norm": 0.0, **(top or {})}, tables)
-
-
-def _groups(rollouts) -> list[list[int]]:
-    spans: list[list[int]] = []
-    for i, r in enumerate(rollouts):
-        if spans and rollouts[spans[-1][0]].group_id == r.group_id:
-            spans[-1].append(i)
-        else:
-            spans.append([i])
-    return spans
 
 
 def _grpo(rollouts, spans) -> list[float]:
@@ -142,7 +133,7 @@ def test_updates_equal_the_updates_written_by_hand(tmp_path):
     models = [tiny_model(FAMILY, seed=0)] + [_load(c) for c in checkpoints]
     k, worst, moved = 0, 0.0, []
     for index, batch in enumerate(rollout_steps(loaded.data)):
-        spans = _groups(batch)
+        spans = group_spans(batch)
         adv = _grpo(batch, spans)
         for e in range(2):
             order = np.random.default_rng([loaded.ppo.shuffle_seed, 0, index, e]).permutation(len(spans))
