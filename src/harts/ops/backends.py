@@ -21,6 +21,7 @@ install without it never loads fla or triton (docs/gpu.md says what was validate
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -76,8 +77,10 @@ def current_backend() -> Backend:
     return _CACHE[name]
 
 
+@functools.cache
 def gpu_extra_installed() -> bool:
-    """Whether flash-linear-attention and triton (the ``gpu`` extra) are importable (not imported)."""
+    """Whether flash-linear-attention and triton (the ``gpu`` extra) are importable (not imported);
+    looked up once per process, not on every step."""
     return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
 
 
