@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import sys
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 import harts
 from harts.plan.ranks import assign_trees
+from harts.runtime.distributed import close_process_group
 from harts.tiny import tiny_model
 
 LOSS = harts.PolicyLossConfig(kind="ppo")
@@ -279,11 +279,7 @@ def main() -> None:
             torch.save(results, out)
         dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
-        # FSDP2 modules and DTensors hold the process group in reference cycles: free them while it
-        # exists, not at interpreter exit after it is destroyed (a rank then aborted now and then,
-        # "terminate called without an active exception")
-        gc.collect()
-        dist.destroy_process_group()
+        close_process_group(wait=False)  # the barrier above ran when every rank finished
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 import harts
 from harts.plan.ranks import RankCost, assign_trees
+from harts.runtime.distributed import close_process_group
 from harts.tiny import FAMILIES, tiny_model
 from tests.distributed_worker import VARIANTS, reference, variants_for
 from tests.helpers import one_thread, write_config  # noqa: F401 (fixture)
@@ -221,7 +222,7 @@ def test_wrappers_harts_cannot_run_are_refused(tmp_path):
         with pytest.raises(ValueError, match="fully_shard was applied to model.embed_tokens"):
             harts.rollout_step(head_sharded, rollouts, harts.PolicyLossConfig(kind="sft"))
     finally:
-        dist.destroy_process_group()
+        close_process_group(wait=False)
 
 
 def _train_config(tmp_path: Path, optimizer: str = "adamw", **top) -> Path:

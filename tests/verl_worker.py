@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import sys
 from datetime import timedelta
 
@@ -44,6 +43,7 @@ from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
 from verl.utils import model as verl_model  # noqa: E402
 
+from harts.runtime.distributed import close_process_group  # noqa: E402
 from harts.tiny import tiny_model  # noqa: E402
 from tests.critic_models import critic as tiny_critic  # noqa: E402
 from tests.helpers import prompt_response_batch  # noqa: E402
@@ -372,8 +372,7 @@ def main() -> None:
             torch.save(results, out)
         dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
     finally:
-        gc.collect()  # the FSDP2 engines' cycles hold the process group: free them before it is destroyed
-        dist.destroy_process_group()
+        close_process_group(wait=False)  # the barrier above ran when every rank finished
 
 
 if __name__ == "__main__":

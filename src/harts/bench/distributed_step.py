@@ -29,6 +29,7 @@ import torch.distributed as dist
 import harts
 from harts.data import synthetic
 from harts.plan.ranks import assign_trees
+from harts.runtime.distributed import close_process_group
 from harts.tiny import tiny_model
 from harts.trainer.processes import rank_cost
 
@@ -89,8 +90,7 @@ def main() -> None:
               f"rank cost {plan.imbalance:.3f} ({plan.divided} tree(s) divided)")  # fmt: skip
         for name, t in times.items():
             print(f"  {name}: fastest step {min(t[1:]):.3f} s, median {sorted(t[1:])[len(t[1:]) // 2]:.3f} s")
-    if world > 1:
-        dist.destroy_process_group()
+    close_process_group(wait=True)
 
 
 if __name__ == "__main__":

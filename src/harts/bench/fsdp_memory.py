@@ -232,10 +232,12 @@ def worker(a: argparse.Namespace) -> None:
     import harts
     from harts.data.synthetic import agentic
     from harts.plan.ranks import assign_trees
+    from harts.runtime.distributed import close_process_group
     from harts.tiny import tiny_model
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.dist_timeout))
+    finished = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         probe = tiny_model(a.family, seed=0, **model_overrides(a.family, a))
@@ -261,8 +263,9 @@ def worker(a: argparse.Namespace) -> None:
                           forest_flat_tokens=forest.num_flat_tokens, ranks=rows)  # fmt: skip
             with open(a.result, "w") as f:
                 json.dump(result, f, indent=1)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        close_process_group(wait=finished)
 
 
 def free_port() -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,8 +47,8 @@ from harts.runtime.model_checks import resolve_model, sharded_step
 from harts.runtime.sharded import ShardedStep
 
 __all__ = [
-    "DataParallel", "all_reduce_sum", "data_parallel", "data_parallel_step", "unwrap_data_parallel",
-    "warn_unwrapped",
+    "DataParallel", "all_reduce_sum", "close_process_group", "data_parallel", "data_parallel_step",
+    "unwrap_data_parallel", "warn_unwrapped",
 ]  # fmt: skip
 
 Tensor = torch.Tensor
@@ -82,6 +83,24 @@ def all_reduce_sum(t: Tensor, group=None) -> Tensor:
     on_device = t.to(device)
     dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=group)
     return t.copy_(on_device)
+
+
+def close_process_group(*, wait: bool) -> None:
+    """Destroy the default process group safely, from every rank's ``finally``.
+
+    ``wait``: first wait for every rank (pass it when this rank ran to its end, which in a program
+    whose ranks run the same code every other rank does too), so that no rank closes its gloo
+    connections while a peer may still be reading from them. Never after an error: a peer that
+    failed would not arrive. FSDP2 modules and DTensors hold the process group in reference
+    cycles: they are collected here, while it exists. Left to the interpreter's exit, after the
+    group is gone, a rank aborted now and then ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return
+    if wait:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -33,6 +33,7 @@ import torch
 from harts.objectives.moe import bias_update
 from harts.ops.backends import resolve_backend
 from harts.runtime.backward import StepResult
+from harts.runtime.distributed import close_process_group
 from harts.runtime.executor import model_device
 from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune, run_lock, write_checkpoint
 from harts.trainer.inputs import quiet_transformers
@@ -155,10 +156,8 @@ class Run:
             return result
         finally:
             torch.set_num_threads(threads)
-            if run is not None and run.ranks is not None and torch.distributed.is_initialized():
-                if finished:  # every rank is here: none closes its connections while a peer still reads
-                    torch.distributed.barrier()
-                torch.distributed.destroy_process_group()
+            if run is not None and run.ranks is not None:
+                close_process_group(wait=finished)
 
     @property
     def main(self) -> bool:
