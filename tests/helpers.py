@@ -367,6 +367,18 @@ def fused_kernels(on: bool):
         TREE_ATTENTION._FUSED_CPU = old
 
 
+@contextlib.contextmanager
+def padding_by(kind: str):
+    """Key padding removed by per-block masks where small ("mask", the default) or always by the
+    padding channel ("channel")."""
+    old = TREE_ATTENTION._MASKED_PADDING_ELEMENTS
+    TREE_ATTENTION._MASKED_PADDING_ELEMENTS = old if kind == "mask" else 0
+    try:
+        yield
+    finally:
+        TREE_ATTENTION._MASKED_PADDING_ELEMENTS = old
+
+
 # ---- chat template, conversation and a local tokenizer: test_chat_rollouts, test_train_run -----
 SPECIAL_TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 

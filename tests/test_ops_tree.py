@@ -102,8 +102,11 @@ def test_tree_delta_rule_hands_state_to_children(name):
         assert (g_.double() - r).norm() / r.norm() <= 1e-5
 
 
+@pytest.mark.parametrize("read", ["both", "logprob", "entropy"])
 @pytest.mark.parametrize("chunk_rows", [1, 3, 1024], ids=lambda c: f"chunk{c}")
-def test_chunked_logprobs_match_full_logits(chunk_rows):
+def test_chunked_logprobs_match_full_logits(chunk_rows, read):
+    """Values and gradients against full logits, with the loss reading both outputs or one (the
+    chunked backward then skips the other's term)."""
     torch.manual_seed(0)
     hidden = torch.randn(7, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
@@ -114,7 +117,9 @@ def test_chunked_logprobs_match_full_logits(chunk_rows):
     results = []
     for fn in (lambda *a: token_logprobs(*a, chunk_rows=chunk_rows), plain_token_logprobs):
         lp, ent = fn(hidden, weight, predictor, target, bias)
-        grads = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), (hidden, weight, bias))
+        terms = {"logprob": (lp * w_lp).sum(), "entropy": (ent * w_ent).sum()}
+        loss = sum(terms.values()) if read == "both" else terms[read]
+        grads = torch.autograd.grad(loss, (hidden, weight, bias))
         results.append((lp, ent, *grads))
     for got, ref in zip(*results, strict=True):
         assert torch.allclose(got.double(), ref.double(), atol=1e-10), (got, ref)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import harts
 from harts.ops.tree_attention import masked_tree_attention, tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
-from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, plan_args, token_run
+from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, padding_by, plan_args, token_run
 
 TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
 ATOL_OUT = 1e-10
@@ -173,25 +173,31 @@ BACKWARD_CASES = {
 }
 
 
+@pytest.mark.parametrize("padding", ["mask", "channel"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
-def test_tree_attention_backward_paths(case, dtype, fused):
+def test_tree_attention_backward_paths(case, dtype, fused, padding):
     name, cut, heads, dk, dv, budget = BACKWARD_CASES[case]
     tol = (ATOL_OUT, ATOL_GRAD) if dtype == torch.float64 else (2e-5, 2e-5)
-    plan = _check(ATTENTION_FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget, dtype=dtype,
-                  tol=tol, fused=fused)
+    with padding_by(padding):
+        plan = _check(ATTENTION_FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget,
+                      dtype=dtype, tol=tol, fused=fused)
+    # the padded groups took the way asked for: per-block masks (these groups are small) or the channel
+    assert any(key[0] == "padded_mask" for key in plan._cache) == (padding == "mask")
     assert any(g.pad_keys for g in plan.groups) and any(not g.pad_keys and g.lk > 1 for g in plan.groups)
     assert any(g.lk == 1 for g in plan.groups) == ("lone" in case)
     assert (plan.num_keys > plan.num_queries) == ("external" in case)
 
 
+@pytest.mark.parametrize("padding", ["mask", "channel"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["f16", "bf16"])
-def test_tree_attention_half_precision(dtype, tol, fused):
+def test_tree_attention_half_precision(dtype, tol, fused, padding):
     """Half-precision inputs (key/value gradients summed over blocks in float32), loosely."""
-    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048,
-           dtype=dtype, tol=(tol, tol), fused=fused)
+    with padding_by(padding):
+        _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048,
+               dtype=dtype, tol=(tol, tol), fused=fused)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])

@@ -111,6 +111,7 @@ class _LseEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, entropy)
         ctx.chunk, ctx.autocast = chunk, autocast_state(hidden.device)
         ctx.softcap, ctx.temperature = softcap, temperature
+        ctx.set_materialize_grads(False)  # an output no loss reads gets None: its term is skipped
         return lse, entropy
 
     @staticmethod
@@ -127,18 +128,18 @@ class _LseEntropy(torch.autograd.Function):
         acc = _acc(weight)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        if grad_lse is None:
-            grad_lse = torch.zeros_like(entropy)
-        if grad_entropy is None:
-            grad_entropy = torch.zeros_like(entropy)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             raw = _head_output(h, weight, bias)
             logp = torch.log_softmax(_logits(h, weight, bias, softcap, temperature, raw), dim=-1)
             p = logp.exp()
-            gl = grad_lse[s : s + chunk, None].to(acc)
-            ge = grad_entropy[s : s + chunk, None].to(acc)
-            grad_logits = p * (gl - ge * (logp + entropy[s : s + chunk, None]))
+            # d lse / d logits = p, d entropy / d logits = -p (log p + entropy); a None gradient
+            # (an output no loss reads) contributes nothing and is not formed.
+            inner = None if grad_lse is None else grad_lse[s : s + chunk, None].to(acc)
+            if grad_entropy is not None:
+                ge = grad_entropy[s : s + chunk, None].to(acc) * (logp + entropy[s : s + chunk, None])
+                inner = -ge if inner is None else inner - ge
+            grad_logits = p * inner if inner is not None else torch.zeros_like(p)
             if softcap is not None:
                 grad_logits = _capped_grad(grad_logits, raw, softcap, temperature)
             if need_h:

@@ -17,13 +17,22 @@ Two forms live here:
   space may be larger than the query space (keys of ancestors computed in an earlier
   micro-batch).
 
-How padding stays exact without a per-block mask: inside a group, keys are right-aligned (left
-padding, ancestors, own keys ending at the last column) and queries right-aligned too, so every
-block's causal rule is the same bottom-right triangle and one [Lq, Lk] mask serves the group.
-In groups with key padding, padding keys are removed through one extra head channel: queries
-carry 1 there, real keys 0 and the padding key a huge negative number, so a padding key's score
-is exactly -huge (weight 0, and finite, so a query row that sees only padding yields no NaN) and
-real scores are unchanged. Groups without key padding (all large blocks, which run alone) skip it.
+How padding stays exact: inside a group, keys are right-aligned (left padding, ancestors, own keys
+ending at the last column) and queries right-aligned too, so every block's causal rule is the same
+bottom-right triangle and one [Lq, Lk] mask serves the group. In groups with key padding,
+padding keys are removed in one of two ways, each giving a padding key the finite score -huge
+(weight exactly 0, and no NaN for a padding query row that sees only padding) and leaving real
+scores unchanged:
+
+- a per-block mask: the causal mask plus -huge at each block's padding columns, [G, r * Lq, Lk]
+  for the group, built once per plan and shared by the layers. The padding columns gather any
+  real key (their weight is 0, and so are their gradients). Used where that mask is small
+  (:data:`_MASKED_PADDING_ELEMENTS`): it costs no copy of q, k, v and keeps the head width;
+- one extra head channel: queries carry 1 there, real keys 0 and the padding key a huge negative
+  number. One [Lq, Lk] mask serves the group whatever its size, for one more channel (CPU flash
+  attention runs a width of 33 about 15% slower than 32) and a widened copy of q, k and v.
+
+Groups without key padding (all large blocks, which run alone) need neither.
 
 Equal values: where all the real values of a block (of a key/value head) are one value c (a
 repeated token whose hidden states are equal, with values that carry no position), the block
@@ -38,7 +47,8 @@ outputs whose values have no common part, measured), as are float16 and bfloat16
 
 Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
 several times the token count). Saved are q, k, v as passed, the returned output and, per group
-run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats); backward gathers each group's
+run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats) and, where some block's values
+are one value, the shift of "Equal values" ([Hkv, G, 1, dp]); backward gathers each group's
 rows again, runs the fused CPU flash backward kernel on them and adds the gradients back by index
 (key and value gradients, summed over blocks, in float32 for float16/bfloat16). Groups SDPA would
 not run by CPU flash attention (any other device) recompute their forward in backward and
@@ -156,6 +166,10 @@ def tree_attention(
 # CPU groups run the fused flash kernels directly, so backward needs only each group's logsumexp;
 # False sends every group down the recompute path that other devices take (the tests use it).
 _FUSED_CPU = True
+# Groups with key padding whose per-block mask has at most this many elements ([G, r * Lq, Lk],
+# 4 MiB in float32) take the mask; larger ones the padding channel (module docstring). 0: always
+# the channel (the tests run both).
+_MASKED_PADDING_ELEMENTS = 1 << 20
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -173,9 +187,9 @@ class _TreeAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, plan: TreeAttentionPlan, scaling: float):
         hkv, _, dv = v.shape
         r = q.shape[0] // hkv
-        outs, lses = [], []
-        for g, _, _, qg, kg, vg, padding in _gathered_groups(q, k, v, plan, scaling, sinks):
-            mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
+        outs, lses, shifts = [], [], []
+        for g, _, _, qg, kg, vg, padding, mask in _gathered_groups(q, k, v, plan, scaling, sinks):
+            shift = None
             if kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling):
                 shift = _shift(vg, g, padding)  # vg is the group's own gathered copy: shifted in place
                 vg = vg if shift is None else vg.sub_(shift)
@@ -185,6 +199,7 @@ class _TreeAttention(torch.autograd.Function):
                 out, lse = _attend_group(g, qg, kg, vg, mask, scaling, padding), None
             outs.append(out[..., :dv].reshape(hkv, -1, dv))
             lses.append(lse)
+            shifts.append(shift)
         stacked = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hkv, R, Dv]
         output = stacked.reshape(-1, dv)[plan.head_rows(hkv, r)[1]]
         fused = any(lse is not None for lse in lses)
@@ -192,6 +207,7 @@ class _TreeAttention(torch.autograd.Function):
         # usually keep it anyway (the next op saves it), so it costs no extra memory there.
         ctx.save_for_backward(q, k, v, sinks, output if fused else None, *lses)
         ctx.plan, ctx.scaling = plan, scaling
+        ctx.shifts = shifts  # [Hkv, G, 1, dp] per fused group, or None: backward shifts by the same
         return output
 
     @staticmethod
@@ -222,13 +238,12 @@ class _TreeAttention(torch.autograd.Function):
         dv_all = v.new_zeros(hkv, m + 1, dv, dtype=acc) if need_v else None
         at = 0
         groups = _gathered_groups(q, k, v, plan, scaling, sinks)
-        for (g, q_rows, k_rows, qg, kg, vg, padding), lse in zip(groups, lses, strict=True):
+        for (g, q_rows, k_rows, qg, kg, vg, padding, mask), lse, shift in zip(groups, lses, ctx.shifts,
+                                                                              strict=True):
             rows, dp = qg.shape[1] * qg.shape[2], qg.shape[-1]
             grad_g = _widen(grad_st[:, at: at + rows], dp).reshape(qg.shape)
-            mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
             if lse is not None:
                 out_g = _widen(out_st[:, at: at + rows], dp).reshape(qg.shape)
-                shift = _shift(vg, g, padding)
                 if shift is not None:
                     vg, out_g = vg.sub_(shift), out_g - shift
                 gq, gk, gv = _flash_backward(grad_g, qg, kg, vg, out_g, lse, 0.0, False,
@@ -284,46 +299,88 @@ def _sink_channels(q, k, sinks, scaling: float, at: int, dp: int):
     return qx, sink_key
 
 
+def _masked_padding(g: AttentionGroup, r: int, sinks) -> bool:
+    """Whether group ``g`` removes its key padding by a per-block mask (module docstring)."""
+    return g.pad_keys and sinks is None and g.size * r * g.lq * g.lk <= _MASKED_PADDING_ELEMENTS
+
+
+def _padded_group_mask(plan: TreeAttentionPlan, g: AttentionGroup, r: int, dtype, padding, at: int):
+    """[1, G, r * Lq, Lk] additive mask of a group with key padding: its causal mask, and -huge at
+    each block's padding columns (the same finite score the padding channel gives). Cached."""
+    key = ("padded_mask", at, r, dtype)
+    if key not in plan._cache:
+        causal = plan.mask(g.lq, g.lk, r, dtype)  # [1, 1, r * Lq, Lk] or None (Lq = 1)
+        base = causal if causal is not None else torch.zeros(1, 1, r * g.lq, g.lk, dtype=dtype,
+                                                             device=plan.key_index.device)
+        huge = -torch.finfo(dtype).max / 4
+        plan._cache[key] = base.masked_fill(padding[1][None, :, None, :], huge)
+    return plan._cache[key]
+
+
+def _real_key_rows(plan: TreeAttentionPlan, kr: torch.Tensor, at: int) -> torch.Tensor:
+    """``kr`` with the padding key (row m) replaced by row 0: a group removing its padding by mask
+    gathers from k itself, which has no row m. Cached."""
+    key = ("real_rows", at)
+    if key not in plan._cache:
+        plan._cache[key] = kr.masked_fill(kr == plan.num_keys, 0)
+    return plan._cache[key]
+
+
 def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float, sinks=None):
-    """Per group of ``plan``, in order: (group, its rows of q [Hkv, r n, .], its key rows, and its
-    queries [Hkv, G, r * Lq, dp], keys and values [Hkv, G, Lk, dp], gathered and widened; with
-    ``sinks``, the keys and values get the sink column Lk + 1)."""
+    """Per group of ``plan``, in order: (group, its rows of q [Hkv, r n, .], its key rows (row m:
+    padding), its queries [Hkv, G, r * Lq, dp], keys and values [Hkv, G, Lk, dp], gathered and
+    widened, its key padding and its mask; with ``sinks``, the keys and values get the sink column
+    Lk + 1)."""
     h, n, dk = q.shape
     hkv, _, dv = v.shape
     r = h // hkv
     q_rows = plan.head_rows(hkv, r)[0]
-    n_plain = sum(not g.pad_keys for g in plan.groups)
+    widened = {}
+
+    def tensors(pad: bool):
+        """(queries [Hkv, r n, dp], keys, values [Hkv, m (+1), dp], sink key) at the width a group
+        needs: the padding channel (and the pad key at row m) or none. Built once per width."""
+        if pad not in widened:
+            # Values are zero-padded to the key width since CPU flash attention needs equal widths;
+            # with the padding channel, the extra channel (module docstring) and the pad key at row
+            # m join; with sinks, r head channels after it.
+            dp = max(dk + pad + (r if sinks is not None else 0), dv)
+            sink_key = None
+            if sinks is None:
+                qx = _widen(q, dp, 1.0 if pad else None).reshape(hkv, r * n, dp)
+            else:
+                qx, sink_key = _sink_channels(q, k, sinks, scaling, dk + pad, dp)
+                qx = qx.reshape(hkv, r * n, dp)
+            kx, vx = _widen(k, dp), _widen(v, dp)
+            if pad:
+                pad_key = k.new_zeros(hkv, 1, dp)
+                pad_key[..., dk] = -torch.finfo(k.dtype).max / 4 / max(scaling, 1.0)
+                kx, vx = torch.cat([kx, pad_key], dim=1), torch.cat([vx, v.new_zeros(hkv, 1, dp)], dim=1)
+            widened[pad] = qx, kx, vx, sink_key
+        return widened[pad]
+
     q_at, k_at = 0, 0
-    for groups, pad in ((plan.groups[:n_plain], False), (plan.groups[n_plain:], True)):
-        if not groups:
-            continue
-        # Values are zero-padded to the key width since CPU flash attention needs equal widths;
-        # with key padding, the extra channel (module docstring) and the pad key at row m join;
-        # with sinks, r head channels after it.
-        dp = max(dk + pad + (r if sinks is not None else 0), dv)
-        if sinks is None:
-            qx = _widen(q, dp, 1.0 if pad else None).reshape(hkv, r * n, dp)
+    # Gathered one group at a time: only one group's rows live at once. Query heads sharing a
+    # key/value head become extra query rows of one call ([G, r, Lq]).
+    for g in plan.groups:
+        qr = q_rows[q_at: q_at + g.size * r * g.lq]
+        kr = plan.key_index[k_at: k_at + g.size * g.lk]
+        q_at, k_at = q_at + qr.numel(), k_at + kr.numel()
+        padding = _padding(plan, g, kr, k_at)
+        masked = _masked_padding(g, r, sinks)
+        qx, kx, vx, sink_key = tensors(g.pad_keys and not masked)
+        dp = qx.shape[-1]
+        gather = _real_key_rows(plan, kr, k_at) if masked else kr
+        kg = kx.index_select(1, gather).view(hkv, g.size, g.lk, dp)
+        vg = vx.index_select(1, gather).view(hkv, g.size, g.lk, dp)
+        if sinks is not None:
+            kg = torch.cat([kg, sink_key[:, None, None].expand(hkv, g.size, 1, dp)], dim=2)
+            vg = torch.cat([vg, vg.new_zeros(hkv, g.size, 1, dp)], dim=2)
+        if masked:
+            mask = _padded_group_mask(plan, g, r, q.dtype, padding, k_at)
         else:
-            qx, sink_key = _sink_channels(q, k, sinks, scaling, dk + pad, dp)
-            qx = qx.reshape(hkv, r * n, dp)
-        kx, vx = _widen(k, dp), _widen(v, dp)
-        if pad:
-            pad_key = k.new_zeros(hkv, 1, dp)
-            pad_key[..., dk] = -torch.finfo(k.dtype).max / 4 / max(scaling, 1.0)
-            kx, vx = torch.cat([kx, pad_key], dim=1), torch.cat([vx, v.new_zeros(hkv, 1, dp)], dim=1)
-        # Gathered one group at a time: only one group's rows live at once. Query heads sharing a
-        # key/value head become extra query rows of one call ([G, r, Lq]).
-        for g in groups:
-            qr = q_rows[q_at: q_at + g.size * r * g.lq]
-            kr = plan.key_index[k_at: k_at + g.size * g.lk]
-            q_at, k_at = q_at + qr.numel(), k_at + kr.numel()
-            kg = kx.index_select(1, kr).view(hkv, g.size, g.lk, dp)
-            vg = vx.index_select(1, kr).view(hkv, g.size, g.lk, dp)
-            if sinks is not None:
-                kg = torch.cat([kg, sink_key[:, None, None].expand(hkv, g.size, 1, dp)], dim=2)
-                vg = torch.cat([vg, vg.new_zeros(hkv, g.size, 1, dp)], dim=2)
-            padding = _padding(plan, g, kr, k_at)
-            yield g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp), kg, vg, padding
+            mask = _group_mask(plan, g, r, q.dtype, sinks is not None)
+        yield g, qr, kr, qx.index_select(1, qr).view(hkv, g.size, r * g.lq, dp), kg, vg, padding, mask
 
 
 def _attend_group(g: AttentionGroup, qg, kg, vg, mask, scaling: float, padding=None) -> torch.Tensor:
