@@ -83,7 +83,8 @@ class Variant:
     """A wrapper and a path through the step: every path a sharded step must hold on."""
 
     kind: str  # "ddp" or "fsdp"
-    run: harts.RunConfig = harts.RunConfig(budget_tokens=48)  # cut trees, parts run again (no hold)
+    # cut trees, every part later parts read runs again (no graph held)
+    run: harts.RunConfig = harts.RunConfig(budget_tokens=48, hold_tokens=0)
     loss: harts.PolicyLossConfig = LOSS
     checkpointing: bool = False
     moe: bool = False
@@ -100,14 +101,15 @@ VARIANTS = {
     "fsdp": Variant("fsdp"),
     # no overlap: one layer unit whole at a time, each sum done before compute goes on; the same
     # work, the same sums
-    "fsdp-one-unit": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, fsdp_overlap=False),
-                             baseline="fsdp"),  # fmt: skip
+    "fsdp-one-unit": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=0,
+                                                         fsdp_overlap=False), baseline="fsdp"),  # fmt: skip
     # every part that later parts read keeps its graph: spines' backwards after their readers'
     "fsdp-held": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=10**9)),
     # GSPO's sequence ratio: cut trees take the three passes (all forwards, then backwards)
     "fsdp-gspo": Variant("fsdp", loss=harts.PolicyLossConfig(kind="gspo", clip_low=0.05, clip_high=0.08)),
     "fsdp-checkpointing": Variant("fsdp", checkpointing=True),
-    "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, recompute_linear=True)),
+    "fsdp-recompute-linear": Variant("fsdp", run=harts.RunConfig(budget_tokens=48, hold_tokens=0,
+                                                                 recompute_linear=True)),
     "fsdp-moe-stats": Variant("fsdp", moe=True),
     "fsdp-offload": Variant("fsdp", offload=True),
     "ddp-lora": Variant("ddp", lora=True),

@@ -13,7 +13,7 @@ from harts.bench.cases import BenchConfig, build_case, flat_budgets, make_trajec
 from harts.bench.flops import flop_model, forest_flops, ideal_speedup
 from harts.bench.memory import measure_peak, tensor_peak_bytes
 from harts.bench.report import markdown, write_outputs
-from harts.bench.run import run, run_case
+from harts.bench.run import parse_args, run, run_case
 from harts.data.synthetic import scaled
 from harts.plan.linear import plan_linear
 from harts.tiny import tiny_model
@@ -138,6 +138,17 @@ MIB = 2**20
 
 def _bytes(mib: float) -> torch.Tensor:
     return torch.empty(int(mib * MIB), dtype=torch.uint8)
+
+
+def test_hold_tokens_option_takes_auto_or_a_count(capsys):
+    assert parse_args([])[0].run.hold_tokens == "auto" == harts.RunConfig().hold_tokens
+    assert parse_args(["--hold-tokens", "auto"])[0].run.hold_tokens == "auto"
+    assert parse_args(["--hold-tokens", "0", "--budget", "64"])[0].run.hold_limit == 0
+    assert parse_args(["--hold-tokens", "4096"])[0].run.hold_tokens == 4096
+    for bad in ("-1", "all", "1.5"):
+        with pytest.raises(SystemExit):
+            parse_args(["--hold-tokens", bad])
+        assert "--hold-tokens: expected auto or an integer >= 0" in capsys.readouterr().err
 
 
 def test_tensor_peak_counts_live_tensors():

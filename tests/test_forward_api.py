@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -94,6 +96,18 @@ def test_run_config_plans_change_calls_not_results(model, mode):
         assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_hold_tokens_auto_follows_the_budget():
+    """auto (the default) bounds held graphs by the budget, wherever the budget comes from; an int
+    is the bound itself."""
+    assert harts.RunConfig().hold_tokens == "auto" and harts.RunConfig().hold_limit == 0
+    assert harts.RunConfig(budget_tokens=512).hold_limit == 512
+    assert harts.RunConfig.resolve(harts.RunConfig(), budget_tokens=256).hold_limit == 256
+    assert dataclasses.replace(harts.RunConfig(budget_tokens=64), budget_tokens=128).hold_limit == 128
+    assert harts.RunConfig(budget_tokens=512, hold_tokens=0).hold_limit == 0
+    assert harts.RunConfig(budget_tokens=512, hold_tokens=2048).hold_limit == 2048
+    assert harts.RunConfig(hold_tokens=2048).hold_limit == 2048
+
+
 def test_run_config_refuses_bad_settings(model):
     for kwargs, match in [
         (dict(budget_tokens=0), "budget_tokens"),
@@ -101,8 +115,12 @@ def test_run_config_refuses_bad_settings(model):
         (dict(context_weight=1.5), "context_weight"),
         (dict(linear_plan="fastest"), "unknown linear_plan"),
         (dict(chunk_rows=0), "chunk_rows"),
-        (dict(hold_tokens=-1), "hold_tokens"),
-        (dict(hold_tokens=None), "hold_tokens"),
+        (dict(hold_tokens=-1), "hold_tokens must be 'auto' or an int >= 0, got -1"),
+        (dict(hold_tokens=None), "hold_tokens must be 'auto' or an int >= 0, got None"),
+        (dict(hold_tokens=True), "hold_tokens must be 'auto' or an int >= 0, got True"),
+        (dict(hold_tokens="all"), "hold_tokens must be 'auto' or an int >= 0, got 'all'"),
+        (dict(hold_tokens="AUTO"), "hold_tokens must be 'auto' or an int >= 0, got 'AUTO'"),
+        (dict(hold_tokens=64.0), "hold_tokens must be 'auto' or an int >= 0, got 64.0"),
     ]:
         with pytest.raises(ValueError, match=match):
             harts.RunConfig(**kwargs)

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the loop tests want a fast sampler: Gated DeltaNet's reference chunk kernel is quick on the CPU
 FAMILY = "qwen3_next" if "qwen3_next" in FAMILIES else FAMILIES[0]
 METRIC_KEYS = {"step", "reward", "loss", "grad_norm", "tokens", "unique_tokens", "computed_tokens",
-               "redundancy", "sample_seconds", "train_seconds", "seconds", "wall_seconds",
-               "layout"}  # fmt: skip
+               "redundancy", "micro_batches", "recomputed_parts", "sample_seconds", "train_seconds",
+               "seconds", "wall_seconds", "layout"}  # fmt: skip
 
 
 RL_TABLES = {

@@ -115,14 +115,16 @@ def _check_gradients(grads, ref_grads, model, shape, loss_type, what=""):
     assert not failures, f"{what}{failures}"
 
 
-def _read_by_later_parts(result) -> int:
-    return sum(1 for lay in result.layouts if lay.export_token_ids.size or lay.export_nodes)
+def _read_by_later_parts(result) -> tuple[int, ...]:
+    """The parts that hand something over to a later part (the spine parts of cut trees)."""
+    return tuple(p for p, lay in enumerate(result.layouts) if lay.export_token_ids.size or lay.export_nodes)
 
 
-# Every family cuts its trees under the default hold (none: parts that later parts read run forward
-# again), which hands each family's keys, values and states over in forward and their gradients
-# back. Holding graphs instead changes which autograd graph those gradients enter, not what is
-# handed over: every hold setting runs on one full-attention and one hybrid family.
+# Every family cuts its trees under the default hold (auto: one budget of held graphs beyond the
+# running part; in every case here some parts that later parts read keep their graphs and some run
+# forward again), which hands each family's keys, values and states over in forward and their
+# gradients back. Other hold settings change which autograd graph those gradients enter, not what
+# is handed over: none held and all held run on one full-attention and one hybrid family.
 HOLD_FAMILIES = ("qwen3", "qwen3_next")
 CUT_CASES = [(f, s, b) for f in FAMILIES for s, b in CASES]
 CUT_IDS = [f"{f}-{s}-budget{b}" for f, s, b in CUT_CASES]
@@ -131,26 +133,29 @@ CUT_IDS = [f"{f}-{s}-budget{b}" for f, s, b in CUT_CASES]
 @pytest.mark.parametrize(("family", "shape", "budget"), CUT_CASES, ids=CUT_IDS)
 def test_cut_trees_run_once_depth_first_under_a_per_row_loss(family, shape, budget):
     """A per-row loss: every part forward and backward once when the held graphs may grow with the
-    chain of parts; each part later parts read runs twice when none may be held (the default); in
-    between when one budget's worth may be held. Every setting gives the gradients of no budget."""
+    chain of parts; each part later parts read runs twice when none may be held (0); in between
+    when one budget's worth may be held (auto, the default). Every setting gives the gradients of
+    no budget."""
     model = model_of(family)
     forest = harts.build_forest(SPLIT_FORESTS[shape])
     ref, ref_grads = _step(model, forest, None, True, RowLoss)
-    counts = {}
-    holds = (budget, 0, 10**9) if family in HOLD_FAMILIES else (0,)
+    recomputed = {}
+    holds = ("auto", 0, 10**9) if family in HOLD_FAMILIES else ("auto",)
     for hold in holds:
         run = harts.RunConfig(budget_tokens=budget, hold_tokens=hold)
         got, grads = _step(model, forest, budget, True, RowLoss, run)
-        interior = _read_by_later_parts(got)
-        assert got.num_cuts >= 2 and interior >= 1
-        counts[hold] = (got.part_forwards - got.num_micro_batches, interior)
+        spine = _read_by_later_parts(got)
+        assert got.num_cuts >= 2 and spine
+        recomputed[hold] = got.recomputed_parts
+        assert got.part_forwards == got.num_micro_batches + len(got.recomputed_parts)
         assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
         assert abs(float(got.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss)))
         _check_gradients(grads, ref_grads, model, shape, RowLoss, f"hold {hold}: ")
-    assert counts[0][0] == counts[0][1]
+    # the default holds some spine graphs and runs the others again (the paths of 10**9 and of 0)
+    assert recomputed["auto"] and set(recomputed["auto"]) < set(spine), (recomputed["auto"], spine)
     if family in HOLD_FAMILIES:
-        assert counts[10**9][0] == 0
-        assert 0 <= counts[budget][0] <= counts[budget][1]
+        assert recomputed[0] == spine
+        assert recomputed[10**9] == ()
 
 
 @pytest.mark.parametrize(("shape", "budget"), CASES, ids=[f"{s}-budget{b}" for s, b in CASES])
@@ -182,6 +187,12 @@ def test_whole_trees_run_once_under_a_separable_loss(family):
         cut = once.num_micro_batches - whole
         assert once.part_forwards == whole + 2 * cut - 1
         assert plain.part_forwards == 2 * once.num_micro_batches - 1
+        # the three passes run again every part they take but the last
+        cut_parts = tuple(p for p, lay in enumerate(once.layouts) if not lay.self_contained)
+        assert once.recomputed_parts == cut_parts[:-1]
+        assert plain.recomputed_parts == tuple(range(plain.num_micro_batches - 1))
+        for got in (once, plain):
+            assert got.part_forwards == got.num_micro_batches + len(got.recomputed_parts)
         assert abs(float(once.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss)))
         assert torch.allclose(once.logprob, ref.logprob, atol=1e-5, rtol=0)
         for got in (grads, plain_grads):
@@ -301,6 +312,31 @@ def test_fp64_model_keeps_fp64_rows_across_cuts():
     assert max(errors.values()) <= 1e-10, max(errors.items(), key=lambda kv: kv[1])
 
 
+def test_by_default_a_spine_within_one_budget_runs_forward_once():
+    """Two cut trees whose spine is one part each (and a whole tree): by default (auto: one budget
+    of held graphs) every part runs forward once; with nothing held (0) exactly the spine parts,
+    those that later parts read, run forward twice. Both give the gradients of no budget."""
+    model = model_of("llama")
+    trunk, other = list(range(10, 16)), list(range(50, 57))
+    trajectories = [trunk + list(range(20, 25)), trunk + list(range(30, 35)), other + list(range(60, 65)),
+                    other + list(range(70, 75)), [90, 91, 92]]  # fmt: skip
+    forest = harts.build_forest(trajectories)
+    ref, ref_grads = _step(model, forest, None, True, RowLoss)
+    default, grads = _step(model, forest, 8, True, RowLoss)
+    spine = _read_by_later_parts(default)
+    assert default.num_cuts >= 2 and len(spine) == 2, (default.num_cuts, spine)
+    assert default.recomputed_parts == () and default.part_forwards == default.num_micro_batches
+    run = harts.RunConfig(budget_tokens=8, hold_tokens=0)
+    none_held, none_grads = _step(model, forest, 8, True, RowLoss, run)
+    assert none_held.recomputed_parts == spine
+    assert none_held.part_forwards == none_held.num_micro_batches + len(spine)
+    for got, got_grads in ((default, grads), (none_held, none_grads)):
+        assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, rtol=0)
+        errors = grad_relative_errors(got_grads, ref_grads)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+
+
 def test_held_graphs_are_bounded_by_hold_tokens():
     """The tensor peak of a budgeted step (live bytes, not time): with nothing held it stays near
     one micro-batch's, far below the whole forest's; holding every spine graph raises it; a bound
@@ -326,7 +362,7 @@ def test_held_graphs_are_bounded_by_hold_tokens():
         return tensor_peak_bytes(step, reset)
 
     whole = peak(harts.RunConfig())
-    none_held = peak(harts.RunConfig(budget_tokens=64))
+    none_held = peak(harts.RunConfig(budget_tokens=64, hold_tokens=0))
     one_held = peak(harts.RunConfig(budget_tokens=64, hold_tokens=64))
     all_held = peak(harts.RunConfig(budget_tokens=64, hold_tokens=10**9))
     assert none_held < 0.5 * whole, (none_held, whole)

@@ -63,6 +63,10 @@ def test_unknown_top_level_key_and_section(tmp_path):
         ({}, {"objective": {"aggregation": "seq-mean-token-sum-norm"}}, "objective.max_length: seq-mean"),
         ({}, {"run": {"linear_plan": "wide"}}, "run.linear_plan: expected one of auto, depth, chain"),
         ({}, {"run": {"backend": "cuda"}}, "run: unknown backend 'cuda'; expected auto or one of"),
+        ({}, {"run": {"hold_tokens": "all"}}, "run: hold_tokens must be 'auto' or an int >= 0, got 'all'"),
+        ({}, {"run": {"hold_tokens": -1}}, "run: hold_tokens must be 'auto' or an int >= 0, got -1"),
+        ({}, {"run": {"hold_tokens": 1.5}}, "run.hold_tokens: expected an integer or a string, got 1.5"),
+        ({}, {"run": {"hold_tokens": True}}, "run.hold_tokens: expected an integer or a string, got True"),
         ({}, {"schedule": {"kind": "cosine", "min_lr_ratio": 2.0}}, "schedule.min_lr_ratio: expected a"),
         ({"epochs": 2}, {}, "steps and epochs: give one"),
         ({}, {"model": {"path": "/models/x"}}, "model: give exactly one of path"),
@@ -112,6 +116,13 @@ def test_defaults_follow_the_library(tmp_path):
     assert config.optimizer.kind == "adamw" and config.schedule.kind == "constant"
     assert config.max_grad_norm == 1.0 and config.checkpoint.keep_last == 3
     assert config.optimizer.master_weights is True  # a bf16 / fp16 model trains from fp32 masters
+
+
+def test_hold_tokens_is_auto_or_a_token_count(tmp_path):
+    for value in ("auto", 0, 4096):
+        config = load_config(write_config(tmp_path / "run.toml", run={"hold_tokens": value}))
+        assert config.run.run_config().hold_tokens == value
+    assert harts.RunConfig().hold_tokens == "auto"
 
 
 def test_master_weights_can_be_turned_off(tmp_path):

@@ -58,7 +58,7 @@ def test_a_run_equals_the_loop_written_by_hand(short_run):
     records = _metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("loss", "entropy", "grad_norm", "lr", "unique_tokens", "flat_tokens", "redundancy", "seconds",
-                "unique_tokens_per_s", "flat_tokens_per_s"):  # fmt: skip
+                "unique_tokens_per_s", "flat_tokens_per_s", "micro_batches", "recomputed_parts"):  # fmt: skip
         assert all(isinstance(r[key], float | int) for r in records), key
     assert [p.path.name for p in list_checkpoints(out / "checkpoints")] == ["step-000002", "step-000003"]
 

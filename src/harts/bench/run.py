@@ -203,6 +203,19 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     )
 
 
+def _hold_tokens(text: str) -> int | str:
+    """``--hold-tokens``: ``auto`` or a token count >= 0 (``RunConfig.hold_tokens``)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 0, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
     p = argparse.ArgumentParser(prog="harts bench", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
@@ -221,8 +234,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
                    help="how linear-attention layers are cut into calls")
     p.add_argument("--recompute-linear", action="store_true",
                    help="recompute linear-attention calls in backward (less memory, more time)")
-    p.add_argument("--hold-tokens", type=int, default=0,
-                   help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards)")
+    p.add_argument("--hold-tokens", type=_hold_tokens, default=RunConfig.hold_tokens,
+                   help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards): "
+                        "a count >= 0 or auto (the budget; default)")
     p.add_argument("--flat-budgets", type=int, nargs="*", default=list(BenchConfig.flat_budgets),
                    help="more budgets the flat layout runs at; the fastest flat run is the baseline")
     p.add_argument("--step", choices=sorted(STEPS), default="forest_step")

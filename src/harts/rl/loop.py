@@ -184,6 +184,7 @@ class _RL(Run):
             computed_tokens=computed,
             redundancy=forest.redundancy,
             micro_batches=result.num_micro_batches,
+            recomputed_parts=len(result.recomputed_parts),
             sample_tokens=sample.model_tokens,
             sample_seconds=sample_s,
             train_seconds=train_s,

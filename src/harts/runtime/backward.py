@@ -16,9 +16,10 @@ depends on what the loss says of itself:
   tree is walked depth first over its parts: a part that later parts read keeps its graph while
   they run, and runs its backward once they have all sent back the gradients of what it handed
   them. Held graphs are those of the chain of parts above the running one; where holding one
-  would exceed ``RunConfig.hold_tokens`` (0 by default: peak memory stays one micro-batch's),
-  that part runs without autograd first and again in backward (``StepResult.part_forwards``
-  counts the forwards).
+  would exceed ``RunConfig.hold_limit`` (by default ``budget_tokens``: the step's graphs stay
+  within two micro-batches' tokens; ``hold_tokens=0``: within one, holding none), that part runs
+  without autograd first and again in backward (``StepResult.part_forwards`` counts the forwards,
+  ``StepResult.recomputed_parts`` names the parts that ran twice).
 - **Per-trajectory losses** (``subset`` only: valid for whole trajectories' rows, e.g. GSPO's
   sequence ratio): micro-batches of whole trees run once as above; the parts of cut trees take
   the three passes below.
@@ -92,8 +93,14 @@ class StepResult:
     - ``rows``: the :class:`~harts.objectives.rows.LossRows` of a :func:`harts.rollout_step`
       (which trajectory and position each entry of ``logprob`` belongs to), else None.
     - ``part_forwards``: forwards of micro-batches the step ran: one per micro-batch that ran
-      forward and backward once, two for one that ran without autograd first and again in backward
-      (``part_forwards - num_micro_batches`` parts were recomputed).
+      forward and backward once, two for one that ran without autograd first and again in backward,
+      so ``part_forwards == num_micro_batches + len(recomputed_parts)`` for a step of
+      :func:`forest_backward`.
+    - ``recomputed_parts``: the indices (into ``layouts``, in plan order) of the micro-batches
+      that ran forward twice: under a per-row loss, the parts later parts read whose graphs were
+      not held (``RunConfig.hold_tokens``); under the three passes, every part they ran but the
+      last of them (all of a step's parts but its last, or, under a per-trajectory loss, the
+      parts of cut trees but the last of those). Empty when every part ran forward once.
     - ``value``: per row [R], detached, the critic's values of a :func:`harts.value_step` (its
       ``logprob`` holds the same values, the readout's first quantity), else None.
     - ``batch_layout``: where each trajectory sat in the padded or packed batch the rollouts came
@@ -114,6 +121,7 @@ class StepResult:
     batch_layout: Any = None
     part_forwards: int = 0
     value: Any = None
+    recomputed_parts: tuple[int, ...] = ()
 
     def to_batch(self, values: Tensor | None = None, fill: float = 0.0) -> Tensor:
         """Per-row ``values`` (default: ``logprob``) in the caller's padded or packed layout: the
@@ -240,6 +248,7 @@ class StepParts:
         self.loss = torch.zeros((), device=self.device)
         self.metrics: dict[str, Tensor] = {}
         self.forwards = 0
+        self.recomputed: list[int] = []  # parts whose forward ran again (``first`` False)
 
     def _plan(self, forest):
         plan = plan_micro_batches(forest, self.run.budget_tokens, self.run.context_weight)
@@ -256,6 +265,8 @@ class StepParts:
         """Part ``p``'s forward and row log-probs; with ``grad``, its handed-over inputs become leaves."""
         lay, rows = self.layouts[p], self.row_parts[p]
         self.forwards += 1
+        if not first:
+            self.recomputed.append(p)
         ext = self.clock.timed("handoff", self.banks.gather, p, self.num_layers)
         leaves: list[tuple[int, str, int | None, Tensor]] = []
         if grad and ext is not None:
@@ -385,16 +396,16 @@ class StepParts:
         backward right after its forward. A part later parts read keeps its graph until they have all
         run theirs and sent their gradients back, then runs its own: held graphs are those of the
         parts above the running one, the chain of spine runs. When holding a part's graph would take
-        the held tokens beyond ``run.hold_tokens``, the oldest held graphs are dropped first (the
-        parts above, which wait longest); a dropped part, or one larger than the bound, runs again,
-        with autograd, when its backward is due.
+        the held tokens beyond ``run.hold_limit`` (``hold_tokens``, ``auto`` read as the budget), the
+        oldest held graphs are dropped first (the parts above, which wait longest); a dropped part,
+        or one larger than the bound, runs again, with autograd, when its backward is due.
         """
         readers = {p: 0 for p in order}
         producers = {p: self.banks.producers(p) for p in order}
         for p in order:
             for q in producers[p]:
                 readers[q] += 1
-        cap = self.run.hold_tokens
+        cap = self.run.hold_limit
         held: dict[int, _PartRun] = {}
         held_tokens = 0
         for p in order:
@@ -556,4 +567,5 @@ def forest_backward(
     return StepResult(
         parts.loss.detach(), parts.logp, parts.ent, len(layouts), parts.plan.num_cuts, parts.sizes, layouts,
         parts.metrics, timings=timings, part_forwards=parts.forwards,
+        recomputed_parts=tuple(sorted(parts.recomputed)),
     )  # fmt: skip

@@ -17,6 +17,9 @@ from harts.plan.micro_batches import DEFAULT_CONTEXT_WEIGHT
 
 __all__ = ["RunConfig"]
 
+#: ``RunConfig.hold_tokens`` that follows the budget: one micro-batch's tokens of held graphs
+HOLD_AUTO = "auto"
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -42,9 +45,13 @@ class RunConfig:
       first: a part no later part reads runs forward and backward once; a part that later parts
       read either keeps its graph until they have sent their gradients back, or runs without
       autograd first and again in backward. ``hold_tokens`` bounds the tokens of such held graphs
-      beyond the running part, so the step's graphs stay within ``budget_tokens + hold_tokens``.
-      Default 0: no graph is held and peak memory stays that of one micro-batch;
-      ``hold_tokens=budget_tokens`` trades up to one micro-batch more for fewer forwards. Measured
+      beyond the running part (:attr:`hold_limit`), so the step's graphs stay within
+      ``budget_tokens + hold_tokens``. ``auto`` (default): ``budget_tokens``, so they stay within
+      two micro-batches' tokens, and a cut tree whose parts read by later parts fit one budget
+      together along any path from its root runs each part forward once (without a budget there
+      is one part and nothing to hold). An int >= 0 is the bound itself: 0 holds no graph, so
+      peak memory stays that of one micro-batch and every part that later parts read runs
+      forward twice. ``StepResult.recomputed_parts`` names the parts that ran twice. Measured
       trade-off: docs/benchmarks.md.
     - ``fsdp_overlap``: under FSDP2, communication overlaps compute as FSDP2's own prefetch does:
       the next decoder layer's gather starts while one computes (forward and backward), and a
@@ -64,7 +71,7 @@ class RunConfig:
     cost_model: LinearCostModel = field(default_factory=LinearCostModel)
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     recompute_linear: bool = False
-    hold_tokens: int = 0
+    hold_tokens: int | str = HOLD_AUTO
     fsdp_overlap: bool = True
     backend: str = "auto"
 
@@ -88,14 +95,26 @@ class RunConfig:
         if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {self.chunk_rows!r}")
         hold = self.hold_tokens
-        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
-            raise ValueError(f"hold_tokens must be an int >= 0, got {self.hold_tokens!r}")
+        if not (isinstance(hold, str) and hold == HOLD_AUTO) and (
+            isinstance(hold, bool) or not isinstance(hold, int) or hold < 0
+        ):
+            raise ValueError(f"hold_tokens must be {HOLD_AUTO!r} or an int >= 0, got {hold!r}")
         if not isinstance(self.fsdp_overlap, bool):
             raise ValueError(f"fsdp_overlap must be True or False, got {self.fsdp_overlap!r}")
         if self.backend != "auto" and self.backend not in available_backends():
             raise ValueError(
                 f"unknown backend {self.backend!r}; expected auto or one of {', '.join(available_backends())}"
             )
+
+    @property
+    def hold_limit(self) -> int:
+        """The tokens of held graphs a step may keep beyond its running part: ``hold_tokens``, with
+        ``auto`` read as ``budget_tokens`` (0 without a budget: the forest runs as one part, which
+        no other part reads). Resolved here, from the config a step runs under, so a budget
+        applied later (:meth:`resolve`, ``dataclasses.replace``) carries the bound with it."""
+        if self.hold_tokens == HOLD_AUTO:
+            return self.budget_tokens or 0
+        return self.hold_tokens
 
     @staticmethod
     def resolve(run: RunConfig | None, budget_tokens: int | None = None) -> RunConfig:

@@ -195,7 +195,7 @@ class RunSection:
     linear_plan: str = "auto"
     chunk_rows: int = RunConfig.chunk_rows
     recompute_linear: bool = False
-    hold_tokens: int = 0
+    hold_tokens: int | str = RunConfig.hold_tokens  # "auto" (the budget) or a token count
     fsdp_overlap: bool = True
     backend: str = "auto"
 
@@ -464,10 +464,24 @@ def _describe(value) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+#: what a value of each scalar type is called in an error
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a string"}
+
+
 def _convert(key: str, value, hint):
-    """``value`` as ``hint`` (TOML has no null, so ``X | None`` takes an X); errors name ``key``."""
+    """``value`` as ``hint`` (TOML has no null, so ``X | None`` takes an X; ``X | Y`` takes the first
+    of them the value is); errors name ``key``."""
     if get_origin(hint) is Union or type(hint).__name__ == "UnionType":
-        hint = next(a for a in get_args(hint) if a is not type(None))
+        options = [a for a in get_args(hint) if a is not type(None)]
+        if len(options) > 1:
+            for option in options:
+                try:
+                    return _convert(key, value, option)
+                except ValueError:
+                    pass
+            expected = " or ".join(_EXPECTED[o] for o in options)
+            raise ValueError(f"{key}: expected {expected}, got {_describe(value)}")
+        hint = options[0]
     origin = get_origin(hint) or hint
     if hint is bool:
         if not isinstance(value, bool):

@@ -147,6 +147,7 @@ def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm
         flat_tokens=forest.num_flat_tokens,
         redundancy=forest.redundancy,
         micro_batches=result.num_micro_batches,
+        recomputed_parts=len(result.recomputed_parts),
         seconds=seconds,
         unique_tokens_per_s=forest.num_tokens / seconds,
         flat_tokens_per_s=forest.num_flat_tokens / seconds,
