@@ -204,3 +204,17 @@ def test_measure_peak_child_reports_both_figures():
     assert "memory_error" not in m and "rss_memory_error" not in m, m
     assert m["memory_method"] == "cpu_tensor_peak" and m["rss_memory_method"] in ("vmhwm_reset", "ru_maxrss")
     assert 0 < m["peak_mib"] < 64 and m["rss_peak_mib"] is not None, m
+
+
+def test_ideal_share_compares_the_tree_with_the_fastest_flat_step():
+    """One row per budget; the baseline is the fastest of flat at B, 4B and whole."""
+    from harts.bench import ideal_share
+
+    rows = ideal_share.measure("qwen3", "star", (256, 4096), repeats=1, model_size="tiny")
+    assert [r["budget"] for r in rows] == [256, 4096]
+    for r in rows:
+        assert r["flat_best"] in {"flat 350", "flat 1024", "flat 4096", "flat whole"}  # 350: the longest
+        assert r["speedup"] == r["flat_best_ms"] / r["tree_ms"] and r["share"] == r["speedup"] / r["ideal"]
+        assert 1 < r["ideal"] <= r["redundancy"]  # attention makes the ideal lower than R, never higher
+    # the star's flat forest (8480 tokens) fits 16384: at 4096 "4B" is the same step as "whole"
+    assert rows[1]["flat_best"] in {"flat 4096", "flat whole"}
