@@ -254,16 +254,17 @@ def test_recomputed_linear_attention_gives_the_same_gradients(family):
 
 
 def _cost(forest, part, weight):
-    """A part's budget cost: own tokens, plus weighted context above each of its root nodes."""
-    context = sum(int(forest.node_path_start[root]) for root in part.root_parents)
-    return part.num_tokens(forest) + weight * context
+    """A part's budget cost: own tokens, plus weighted context: the tokens it reads from earlier
+    parts, each once however many of its roots sit below it."""
+    return part.num_tokens(forest) + weight * part.external_tokens.numel()
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
 def test_cut_trees_put_only_their_spine_in_parts_later_parts_read(weight):
     """One tree of 10-token nodes: a trunk and 14 branches (150 tokens), budget 100. The trunk
     (the only node whose subtree exceeds the budget) is the spine, one part; the branches are
-    packed whole, first-fit, as many per part as their tokens and context allow."""
+    packed whole, first-fit, as many per part as their tokens and their shared context (the trunk,
+    counted once per part) allow."""
     trajs = [list(range(10)) + [100 + 10 * b + i for i in range(10)] for b in range(14)]
     forest = harts.build_forest(trajs)
     budget = 100
@@ -273,15 +274,17 @@ def test_cut_trees_put_only_their_spine_in_parts_later_parts_read(weight):
     assert all(c <= budget for c in costs), costs
     read = [p for p, part in enumerate(plan.parts) if part.export_tokens.numel() or part.export_nodes]
     assert read == [0] and plan.parts[0].num_tokens(plan.forest) == 10
-    per_part = int(budget // (10 + weight * 10))
+    per_part = int((budget - weight * 10) // 10)
     assert plan.num_micro_batches == 1 + -(-14 // per_part)
     assert max(p.num_tokens(plan.forest) for p in plan.parts[1:]) == 10 * min(per_part, 14)
 
 
 def test_a_long_spine_is_cut_in_balanced_runs():
     """A 300-token trunk over two short branches, budget 100: the trunk (every piece's subtree
-    exceeds the budget) is the spine, three runs of 100; both branches fit one part, unless their
-    context (300 tokens each at weight 0.25) counts: then one part each."""
+    exceeds the budget) is the spine, three runs of 100; both branches fit one part, their shared
+    context (300 tokens at weight 0.25) counted once; at weight 0.5 it no longer fits one part with
+    both, and each branch gets one of its own (a run of one branch may exceed the budget by its
+    context: a run takes a node)."""
     forest = harts.build_forest([list(range(300)) + [1000 + i for i in range(5)], list(range(300)) + [7]])
     plan = plan_micro_batches(forest, 100, context_weight=0.0)
     sizes = [p.num_tokens(plan.forest) for p in plan.parts]
@@ -291,7 +294,10 @@ def test_a_long_spine_is_cut_in_balanced_runs():
     weighted = plan_micro_batches(forest, 100, context_weight=0.25)
     # (a spine run of one 100-token piece exceeds the budget by its context: a run takes a node)
     costs = [_cost(weighted.forest, p, 0.25) for p in weighted.parts[3:]]
-    assert max(costs) <= 100 and weighted.num_micro_batches == 5, costs
+    assert max(costs) <= 100 and weighted.num_micro_batches == 4, costs
+    heavier = plan_micro_batches(forest, 100, context_weight=0.5)
+    assert heavier.num_micro_batches == 5
+    assert all(p.num_tokens(heavier.forest) <= 5 for p in heavier.parts[3:])
 
 
 def test_context_weight_must_lie_in_unit_interval():

@@ -152,20 +152,44 @@ def _balanced_runs(lengths, path_start, nodes: np.ndarray, budget: int, context_
     return _runs(lengths, path_start, nodes, hi, context_weight)
 
 
-def _first_fit(units: np.ndarray, costs: np.ndarray, budget: int) -> list[list[int]]:
-    """Units (subtree roots) packed first-fit decreasing by cost into bins of ``budget``."""
+def _first_fit(units: np.ndarray, own: np.ndarray, parent: np.ndarray, lengths: np.ndarray, budget: int,
+               context_weight: float) -> list[list[int]]:
+    """Units (subtree roots, ``own`` tokens each) packed first-fit decreasing into bins of ``budget``.
+
+    A bin costs its units' tokens plus ``context_weight`` per token on the union of the paths above
+    them: a part reads a context its units share once (24 completions under one prompt cost the
+    prompt once, not 24 times). The union of root paths is closed upwards, so a unit's new context
+    is found by walking up from its parent to the first node the bin already reads.
+    """
     bins: list[list[int]] = []
     room: list[float] = []
-    for i in np.argsort(-costs, kind="stable").tolist():
-        unit, cost = int(units[i]), float(costs[i])
+    above: list[set[int]] = []  # per bin: the nodes on the paths above its units
+
+    def new_context(unit: int, seen: set[int]) -> tuple[list[int], int]:
+        nodes, tokens, a = [], 0, int(parent[unit])
+        while a >= 0 and a not in seen:
+            nodes.append(a)
+            tokens += int(lengths[a])
+            a = int(parent[a])
+        return nodes, tokens
+
+    alone = np.array([own[i] + context_weight * sum(int(lengths[a]) for a in new_context(int(u), set())[0])
+                      for i, u in enumerate(units.tolist())], dtype=np.float64)  # fmt: skip
+    for i in np.argsort(-alone, kind="stable").tolist():
+        unit = int(units[i])
         for b, left in enumerate(room):
+            nodes, tokens = new_context(unit, above[b])
+            cost = float(own[i]) + context_weight * tokens
             if cost <= left:
                 bins[b].append(unit)
                 room[b] -= cost
+                above[b].update(nodes)
                 break
         else:
+            nodes, _ = new_context(unit, set())
             bins.append([unit])
-            room.append(budget - cost)
+            room.append(budget - float(alone[i]))
+            above.append(set(nodes))
     return bins
 
 
@@ -176,8 +200,9 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
     The *spine* of a tree larger than the budget is its nodes whose subtree exceeds the budget (a
     connected top of the tree: the shared prefixes, and the first pieces of long nodes). Every
     other node lies in a subtree that fits the budget and hangs off a spine node; such a subtree
-    is packed whole, like a small tree, costing its tokens plus ``context_weight`` per token of the
-    path above it (one whose context makes it cost more is cut in pre-order runs itself). Later
+    is packed whole, like a small tree, a part of them costing their tokens plus ``context_weight``
+    per token of the union of the paths above them (one subtree whose context alone makes it cost
+    more than the budget is cut in pre-order runs itself). Later
     parts read only spine parts, and a spine run's readers come right after it (its subtrees) or
     descend from it (later runs in pre-order): a step walking the parts depth first holds the
     chain of spine runs above the running part, never the whole spine.
@@ -194,7 +219,8 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
         costs = subtree[units] + context_weight * path_start[units]
         fits = costs <= budget
         groups = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)])
-                  for b in _first_fit(units[fits], costs[fits], budget)]  # fmt: skip
+                  for b in _first_fit(units[fits], subtree[units[fits]], parent, lengths, budget,
+                                      context_weight)]  # fmt: skip
         for unit in units[~fits].tolist():
             nodes = np.arange(unit, ends[unit])
             groups.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))
