@@ -368,11 +368,11 @@ def fused_kernels(on: bool):
 
 
 @contextlib.contextmanager
-def padding_by(kind: str):
-    """Key padding removed by per-block masks where small ("mask", the default) or always by the
-    padding channel ("channel")."""
+def padding_by(kind: str | int):
+    """Key padding removed by per-block masks within the default bound ("mask"), always by the
+    padding channel ("channel"), or by masks within a bound of that many elements (an int)."""
     old = TREE_ATTENTION._MASKED_PADDING_ELEMENTS
-    TREE_ATTENTION._MASKED_PADDING_ELEMENTS = old if kind == "mask" else 0
+    TREE_ATTENTION._MASKED_PADDING_ELEMENTS = {"mask": old, "channel": 0}.get(kind, kind)
     try:
         yield
     finally:

@@ -190,6 +190,23 @@ def test_tree_attention_backward_paths(case, dtype, fused, padding):
     assert (plan.num_keys > plan.num_queries) == ("external" in case)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+def test_padded_groups_take_masks_within_the_bound_and_the_channel_beyond(fused):
+    """Under a bound that holds the first padded group's mask but not all of them, the first ones
+    take masks and the rest the channel, in one call, and the result stays exact."""
+    forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
+    plan = plan_tree_attention(**plan_args(forest, 2)[0], max_group_tokens=2048)
+    r = 2  # heads (4, 2)
+    sizes = [g.size * r * g.lq * g.lk for g in plan.groups if g.pad_keys]
+    assert len(sizes) >= 2
+    with padding_by(sizes[0]):
+        checked = _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=8, dv=8, budget=2048,
+                         dtype=torch.float32, tol=(2e-5, 2e-5), fused=fused)
+        chosen = TA._masked_groups(checked, r, None)
+    padded = [i for i, g in enumerate(checked.groups) if g.pad_keys]
+    assert chosen == {padded[0]}, (chosen, padded)
+
+
 @pytest.mark.parametrize("padding", ["mask", "channel"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["f16", "bf16"])

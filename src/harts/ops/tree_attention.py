@@ -26,8 +26,10 @@ scores unchanged:
 
 - a per-block mask: the causal mask plus -huge at each block's padding columns, [G, r * Lq, Lk]
   for the group, built once per plan and shared by the layers. The padding columns gather any
-  real key (their weight is 0, and so are their gradients). Used where that mask is small
-  (:data:`_MASKED_PADDING_ELEMENTS`): it costs no copy of q, k, v and keeps the head width;
+  real key (their weight is 0, and so are their gradients). It costs no copy of q, k, v and keeps
+  the head width, but its memory grows with the group's scores, so the plan's groups take it in
+  order while the masks of all of them stay within :data:`_MASKED_PADDING_ELEMENTS` (4 MiB in
+  float32 per plan and head layout);
 - one extra head channel: queries carry 1 there, real keys 0 and the padding key a huge negative
   number. One [Lq, Lk] mask serves the group whatever its size, for one more channel (CPU flash
   attention runs a width of 33 about 15% slower than 32) and a widened copy of q, k and v.
@@ -166,9 +168,9 @@ def tree_attention(
 # CPU groups run the fused flash kernels directly, so backward needs only each group's logsumexp;
 # False sends every group down the recompute path that other devices take (the tests use it).
 _FUSED_CPU = True
-# Groups with key padding whose per-block mask has at most this many elements ([G, r * Lq, Lk],
-# 4 MiB in float32) take the mask; larger ones the padding channel (module docstring). 0: always
-# the channel (the tests run both).
+# Groups with key padding take per-block masks ([G, r * Lq, Lk] each) in plan order while all
+# their masks hold at most this many elements (4 MiB in float32); the others the padding channel
+# (module docstring). 0: always the channel (the tests run both).
 _MASKED_PADDING_ELEMENTS = 1 << 20
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -299,9 +301,23 @@ def _sink_channels(q, k, sinks, scaling: float, at: int, dp: int):
     return qx, sink_key
 
 
-def _masked_padding(g: AttentionGroup, r: int, sinks) -> bool:
-    """Whether group ``g`` removes its key padding by a per-block mask (module docstring)."""
-    return g.pad_keys and sinks is None and g.size * r * g.lq * g.lk <= _MASKED_PADDING_ELEMENTS
+def _masked_groups(plan: TreeAttentionPlan, r: int, sinks) -> frozenset[int]:
+    """The groups of ``plan`` that remove their key padding by a per-block mask: those with key
+    padding, in order, while their masks together stay within :data:`_MASKED_PADDING_ELEMENTS`
+    elements (module docstring); none with sinks. Cached, so every layer, forward and backward,
+    makes the same choice."""
+    if sinks is not None:
+        return frozenset()
+    key = ("masked_groups", r, _MASKED_PADDING_ELEMENTS)
+    if key not in plan._cache:
+        chosen, total = [], 0
+        for i, g in enumerate(plan.groups):
+            size = g.size * r * g.lq * g.lk
+            if g.pad_keys and total + size <= _MASKED_PADDING_ELEMENTS:
+                chosen.append(i)
+                total += size
+        plan._cache[key] = frozenset(chosen)
+    return plan._cache[key]
 
 
 def _padded_group_mask(plan: TreeAttentionPlan, g: AttentionGroup, r: int, dtype, padding, at: int):
@@ -360,14 +376,15 @@ def _gathered_groups(q, k, v, plan: TreeAttentionPlan, scaling: float, sinks=Non
         return widened[pad]
 
     q_at, k_at = 0, 0
+    by_mask = _masked_groups(plan, r, sinks)
     # Gathered one group at a time: only one group's rows live at once. Query heads sharing a
     # key/value head become extra query rows of one call ([G, r, Lq]).
-    for g in plan.groups:
+    for i, g in enumerate(plan.groups):
         qr = q_rows[q_at: q_at + g.size * r * g.lq]
         kr = plan.key_index[k_at: k_at + g.size * g.lk]
         q_at, k_at = q_at + qr.numel(), k_at + kr.numel()
         padding = _padding(plan, g, kr, k_at)
-        masked = _masked_padding(g, r, sinks)
+        masked = i in by_mask
         qx, kx, vx, sink_key = tensors(g.pad_keys and not masked)
         dp = qx.shape[-1]
         gather = _real_key_rows(plan, kr, k_at) if masked else kr
