@@ -152,9 +152,10 @@ def _balanced_runs(lengths, path_start, nodes: np.ndarray, budget: int, context_
     return _runs(lengths, path_start, nodes, hi, context_weight)
 
 
-def _first_fit(units: np.ndarray, own: np.ndarray, parent: np.ndarray, lengths: np.ndarray, budget: int,
-               context_weight: float) -> list[list[int]]:
-    """Units (subtree roots, ``own`` tokens each) packed first-fit decreasing into bins of ``budget``.
+def _first_fit(units: np.ndarray, own: np.ndarray, alone: np.ndarray, parent: np.ndarray, lengths: np.ndarray,
+               budget: int, context_weight: float) -> list[list[int]]:
+    """Units (subtree roots, ``own`` tokens each, ``alone`` their cost in a bin of their own) packed
+    first-fit decreasing into bins of ``budget``.
 
     A bin costs its units' tokens plus ``context_weight`` per token on the union of the paths above
     them: a part reads a context its units share once (24 completions under one prompt cost the
@@ -173,8 +174,6 @@ def _first_fit(units: np.ndarray, own: np.ndarray, parent: np.ndarray, lengths: 
             a = int(parent[a])
         return nodes, tokens
 
-    alone = np.array([own[i] + context_weight * sum(int(lengths[a]) for a in new_context(int(u), set())[0])
-                      for i, u in enumerate(units.tolist())], dtype=np.float64)  # fmt: skip
     for i in np.argsort(-alone, kind="stable").tolist():
         unit = int(units[i])
         for b, left in enumerate(room):
@@ -219,8 +218,8 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
         costs = subtree[units] + context_weight * path_start[units]
         fits = costs <= budget
         groups = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)])
-                  for b in _first_fit(units[fits], subtree[units[fits]], parent, lengths, budget,
-                                      context_weight)]  # fmt: skip
+                  for b in _first_fit(units[fits], subtree[units[fits]], costs[fits], parent, lengths,
+                                      budget, context_weight)]  # fmt: skip
         for unit in units[~fits].tolist():
             nodes = np.arange(unit, ends[unit])
             groups.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))
