@@ -218,6 +218,14 @@ def flat_budgets(cfg: BenchConfig, flat: Forest) -> dict[str, int | None]:
     return flat_budget_variants(cfg.run.budget_tokens, cfg.flat_budgets, flat)
 
 
+def effective_flat_budget(budget: int | None, flat: Forest) -> int | None:
+    """The budget the flat layout's micro-batches run at: None (one micro-batch) when ``budget``
+    holds the whole flat forest, else ``budget`` raised to the longest trajectory (:func:`flat_run`)."""
+    if budget is None or budget >= flat.num_tokens:
+        return None
+    return flat_run(RunConfig(budget_tokens=budget), flat).budget_tokens
+
+
 def flat_budget_variants(budget: int | None, others: Iterable[int], flat: Forest) -> dict[str, int | None]:
     """``{"flat": budget, "flat_whole": None, "flat_<B>": B for B in others}``, keeping only
     distinct micro-batch plans: a budget that holds the whole flat forest runs it as one
@@ -225,9 +233,7 @@ def flat_budget_variants(budget: int | None, others: Iterable[int], flat: Forest
     (:func:`flat_run`)."""
 
     def effective(b: int | None) -> int | None:
-        if b is None or b >= flat.num_tokens:
-            return None
-        return flat_run(RunConfig(budget_tokens=b), flat).budget_tokens
+        return effective_flat_budget(b, flat)
 
     budgets: dict[str, int | None] = {"flat": budget}
     seen = {effective(budget)}

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 import harts
-from harts.bench.cases import STEPS, BenchConfig, flat_run, make_model
+from harts.bench.cases import STEPS, BenchConfig, effective_flat_budget, make_model
 from harts.bench.flops import flop_model, ideal_speedup
 from harts.data import synthetic
 
@@ -77,9 +77,7 @@ def measure(
     tree_rows, flat_rows = harts.build_loss_rows(tree, rollouts), harts.build_loss_rows(flat, rollouts)
 
     def effective(budget: int | None) -> int | None:  # the flat micro-batches a budget gives
-        if budget is None or budget >= flat.num_tokens:
-            return None
-        return flat_run(harts.RunConfig(budget_tokens=budget), flat).budget_tokens
+        return effective_flat_budget(budget, flat)
 
     fns: dict[str, Callable[[], object]] = {}
     for b in budgets:
