@@ -59,35 +59,38 @@ def chunk_trees(forest) -> dict[str, ChunkTreePlan]:
 
 def check_chunk_tree(forest, plan: ChunkTreePlan) -> None:
     """Structure a chunk tree must have for the handoff to be exact, checked without the planner's code:
-    each node's tokens fill its chunks in order, a chunk starts from its predecessor in the node, a
-    node's first chunk from its parent's last chunk (a root's from its own initial-state row), and
-    every source is computed in an earlier level."""
+    each node's tokens fill a chain of chunks in order (a chunk starts from its predecessor in the
+    node), a node's first chunk starts from its parent's last chunk (a root's from its own
+    initial-state row), every source is computed in an earlier level, and the levels are
+    consecutive blocks of chunk ids."""
     parent, starts = forest.node_parent.tolist(), forest.node_start.tolist()
     lengths, c, r = forest.node_length.tolist(), plan.chunk_size, len(plan.root_nodes)
     assert plan.num_tokens == forest.num_tokens
     assert sorted(plan.root_nodes) == [v for v in range(forest.num_nodes) if parent[v] < 0]
-    level = {}
+    level, at = {}, 0
     for d, idx in enumerate(plan.levels):
-        for m in idx.tolist():
-            assert m not in level, "a chunk runs twice"
+        assert isinstance(idx, slice) and idx.start == at < idx.stop and idx.step is None
+        at = idx.stop
+        for m in range(idx.start, idx.stop):
             level[m] = d
-    assert sorted(level) == list(range(plan.num_chunks)), "a chunk never runs"
+    assert at == plan.num_chunks, "a chunk never runs"
     source, slots = plan.source.tolist(), plan.token_index.tolist()
     last = plan.node_last_chunk.tolist()
     seen = []
     for v in range(forest.num_nodes):
-        first = last[v] - max(1, math.ceil(lengths[v] / c)) + 1
-        tokens = [t for m in range(first, last[v] + 1) for t in slots[m]]
+        chain = [last[v]]  # the node's chunks, walked back from its last along their sources
+        while len(chain) < max(1, math.ceil(lengths[v] / c)):
+            assert source[chain[0]] >= r
+            chain.insert(0, source[chain[0]] - r)
+        tokens = [t for m in chain for t in slots[m]]
         want = list(range(starts[v], starts[v] + lengths[v]))
         assert tokens == want + [forest.num_tokens] * (len(tokens) - lengths[v])
         want_source = r + last[parent[v]] if parent[v] >= 0 else plan.root_nodes.index(v)
-        assert source[first] == want_source
-        for m in range(first, last[v] + 1):
-            if m > first:
-                assert source[m] == r + m - 1
+        assert source[chain[0]] == want_source
+        for m in chain:
             assert source[m] < r or level[source[m] - r] < level[m]
-        seen += list(range(first, last[v] + 1))
-    assert seen == list(range(plan.num_chunks))
+        seen += chain
+    assert sorted(seen) == list(range(plan.num_chunks)), "a chunk belongs to no node or to two"
     order = plan.output_index.tolist()
     assert [slots[i // c][i % c] for i in order] == list(range(forest.num_tokens))
 

@@ -39,15 +39,20 @@ class ChunkTreePlan:
     - ``source`` [M]: where each chunk's initial state comes from, as a row of the states buffer
       [R + M]: rows 0..R-1 are the roots' initial states (``root_nodes[r]``'s), row R + m the end
       state of chunk m;
-    - ``levels``: chunk ids by depth in the chunk tree (every chunk's source is in an earlier level);
+    - ``levels``: chunk ids by depth in the chunk tree (every chunk's source is in an earlier
+      level), each a ``slice``: chunks are numbered level by level, so the scan reads and writes
+      each level's rows as one contiguous block (a view) instead of gathering and scattering them;
     - ``node_last_chunk`` [nodes]: the chunk whose end state is the node's final state;
     - ``output_index`` [num_tokens]: the slot (m * C + i) of each unique token.
+
+    A node's chunks are a chain of sources (chunk m > its first starts from chunk
+    ``source[m] - R``), one chunk in each of consecutive levels.
     """
 
     chunk_size: int
     token_index: torch.Tensor
     source: torch.Tensor
-    levels: list[torch.Tensor]
+    levels: list[slice]
     root_nodes: list[int]
     node_last_chunk: torch.Tensor
     output_index: torch.Tensor
@@ -82,7 +87,7 @@ class ChunkTreePlan:
     def to(self, device) -> ChunkTreePlan:
         return ChunkTreePlan(
             self.chunk_size, self.token_index.to(device), self.source.to(device),
-            [lv.to(device) for lv in self.levels], self.root_nodes, self.node_last_chunk.to(device),
+            self.levels, self.root_nodes, self.node_last_chunk.to(device),
             self.output_index.to(device), self.num_tokens,
         )  # fmt: skip
 
@@ -123,8 +128,9 @@ def _chunk_depths(forest: Forest, per_node: np.ndarray) -> np.ndarray:
 def chunk_tree_plan(
     forest: Forest, chunk_size: int | None = None, cost_model: LinearCostModel | None = None
 ) -> ChunkTreePlan:
-    """The chunk tree of ``forest`` (nodes in forest order, parents before children); the chunk is
-    ``chunk_size``, or the one ``cost_model`` (default: :class:`LinearCostModel`) finds cheapest."""
+    """The chunk tree of ``forest``, chunks numbered level by level (in forest order within a
+    level); the chunk is ``chunk_size``, or the one ``cost_model`` (default:
+    :class:`LinearCostModel`) finds cheapest."""
     c = chunk_size or choose_chunk(forest, cost_model)[0]
     if c < 1 or c & (c - 1):
         raise ValueError(f"chunk_size must be a power of two, got {c}")
@@ -146,17 +152,24 @@ def chunk_tree_plan(
     source = np.where(j > 0, r + np.arange(m) - 1, first_source[chunk_node])
     depth_last = _chunk_depths(forest, per_node)
     depth = depth_last[chunk_node] - (per_node[chunk_node] - 1 - j)
+    # Renumber the chunks level by level: chunk `order[i]` (in node order) becomes chunk i.
     order = np.argsort(depth, kind="stable")
+    new_id = np.empty(m, dtype=np.int64)
+    new_id[order] = np.arange(m)
     bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if m else 1))
-    levels = [torch.as_tensor(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    levels = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    source = source[order]
+    inner = source >= r
+    source[inner] = r + new_id[source[inner] - r]
     offset = j * c  # token offset of each chunk in its node
     slot = np.arange(c)[None, :]
     valid = slot < (lengths[chunk_node] - offset)[:, None]
-    token_index = np.where(valid, starts[chunk_node][:, None] + offset[:, None] + slot, n_tokens)
-    flat = np.flatnonzero(valid.reshape(-1))  # slots of real tokens, in token order (nodes in order)
+    token_index = np.where(valid, starts[chunk_node][:, None] + offset[:, None] + slot, n_tokens)[order]
+    valid = valid[order]
+    flat = np.flatnonzero(valid.reshape(-1))  # slots of real tokens
     output_index = np.empty(n_tokens, dtype=np.int64)
     output_index[token_index.reshape(-1)[flat]] = flat
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
     return ChunkTreePlan(
-        c, t(token_index), t(source), levels, roots.tolist(), t(last), t(output_index), n_tokens
+        c, t(token_index), t(source), levels, roots.tolist(), t(new_id[last]), t(output_index), n_tokens
     )

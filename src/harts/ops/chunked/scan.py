@@ -72,28 +72,40 @@ class TreeStateScan(torch.autograd.Function):
     """S_start[m] = states[source[m]], S_end[m] = T[m] S_start[m] + D[m], level by level.
 
     trans [M, H, K, K] (or its diagonal [M, H, K]), drive [M, H, K, V], initial [R, H, K, V],
-    source [M], levels (chunk indices per level) -> (starts [M, H, K, V], ends [M, H, K, V]). The
-    states buffer holds the R initial states, then the M end states; a chunk's source row is filled
-    by an earlier level. Backward runs the adjoint up the tree: a chunk's end-state gradient is
-    complete once every chunk of the next levels has added its start-state gradient to its source.
+    source [M], levels (chunk ids per level: index tensors, or slices where the chunks are numbered
+    level by level, whose rows are read and written as views) -> (starts [M, H, K, V], ends
+    [M, H, K, V]). The states buffer holds the R initial states, then the M end states; a chunk's
+    source row is filled by an earlier level. Backward runs the adjoint up the tree: a chunk's
+    end-state gradient is complete once every chunk of the next levels has added its start-state
+    gradient to its source.
     """
 
     @staticmethod
     def forward(ctx, trans, drive, initial, source, levels):
+        # Rows of one level are read and written as blocks: copy the chunk-major views once.
+        trans, drive = trans.contiguous(), drive.contiguous()
         r = initial.shape[0]
         diagonal = trans.dim() == drive.dim() - 1  # [M, H, K]: a decay per key channel
         buf = torch.empty((r + trans.shape[0], *drive.shape[1:]), dtype=drive.dtype, device=drive.device)
         buf[:r] = initial
         starts = torch.empty_like(drive)
         for idx in levels:
+            if isinstance(idx, slice):  # write each level's rows in place: two ops per level
+                s0 = torch.index_select(buf, 0, source[idx], out=starts[idx])
+                end = buf[_shifted(idx, r)]
+                if diagonal:
+                    torch.addcmul(drive[idx], trans[idx][..., None], s0, out=end)
+                else:
+                    torch.baddbmm(drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1),
+                                  out=end.flatten(0, 1))  # fmt: skip
+                continue
             s0 = buf.index_select(0, source[idx])
             starts[idx] = s0
             if diagonal:
-                buf[r + idx] = torch.addcmul(drive[idx], trans[idx][..., None], s0)
+                end = torch.addcmul(drive[idx], trans[idx][..., None], s0)
             else:
-                buf[r + idx] = torch.baddbmm(
-                    drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1)
-                ).view_as(s0)
+                end = torch.baddbmm(drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1))
+            buf[idx + r] = end.view_as(s0)
         ctx.save_for_backward(trans, starts, source)
         ctx.levels, ctx.r, ctx.diagonal = levels, r, diagonal
         return starts, buf[r:]
@@ -108,15 +120,32 @@ class TreeStateScan(torch.autograd.Function):
             if grad_ends is not None:
                 grad[r:] = grad_ends
             grad_trans = torch.empty_like(trans)
+            if grad_starts is not None:
+                grad_starts = grad_starts.contiguous()
             for idx in reversed(ctx.levels):
-                g_end = grad[r + idx]  # complete: every reader of this end state is in a later level
+                g_end = grad[_shifted(idx, r)]  # complete: every reader of this end state is in a later level
                 if ctx.diagonal:
                     grad_trans[idx] = (g_end * starts[idx]).sum(-1)
                     g_start = trans[idx][..., None] * g_end
+                    if grad_starts is not None:
+                        g_start = g_start + grad_starts[idx]
+                elif isinstance(idx, slice):  # in place, with the start-state gradient fused
+                    torch.matmul(g_end, starts[idx].transpose(-1, -2), out=grad_trans[idx])
+                    t_t = trans[idx].transpose(-1, -2).flatten(0, 1)
+                    if grad_starts is not None:
+                        g_start = torch.baddbmm(grad_starts[idx].flatten(0, 1), t_t, g_end.flatten(0, 1))
+                    else:
+                        g_start = torch.bmm(t_t, g_end.flatten(0, 1))
+                    g_start = g_start.view_as(g_end)
                 else:
                     grad_trans[idx] = g_end @ starts[idx].transpose(-1, -2)
                     g_start = trans[idx].transpose(-1, -2) @ g_end
-                if grad_starts is not None:
-                    g_start = g_start + grad_starts[idx]
+                    if grad_starts is not None:
+                        g_start = g_start + grad_starts[idx]
                 grad.index_add_(0, source[idx], g_start)
             return grad_trans, grad[r:].clone(), grad[:r].clone(), None, None
+
+
+def _shifted(idx: torch.Tensor | slice, r: int) -> torch.Tensor | slice:
+    """Rows ``idx`` of the end states as rows of the states buffer (after its R initial states)."""
+    return slice(idx.start + r, idx.stop + r) if isinstance(idx, slice) else idx + r
