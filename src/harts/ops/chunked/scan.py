@@ -108,6 +108,7 @@ class TreeStateScan(torch.autograd.Function):
             buf[idx + r] = end.view_as(s0)
         ctx.save_for_backward(trans, starts, source)
         ctx.levels, ctx.r, ctx.diagonal = levels, r, diagonal
+        ctx.set_materialize_grads(False)  # end states no later part reads get no zero gradient
         return starts, buf[r:]
 
     @staticmethod
@@ -116,9 +117,10 @@ class TreeStateScan(torch.autograd.Function):
         trans, starts, source = ctx.saved_tensors  # once: checkpointing's saved tensors unpack only once
         with no_autocast(trans.device):
             r = ctx.r
-            grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
-            if grad_ends is not None:
-                grad[r:] = grad_ends
+            if grad_ends is None:
+                grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
+            else:
+                grad = torch.cat([grad_ends.new_zeros((r, *grad_ends.shape[1:])), grad_ends])
             grad_trans = torch.empty_like(trans)
             if grad_starts is not None:
                 grad_starts = grad_starts.contiguous()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["exclusive_suffix_sum", "intra_chunk_scores"]
 
@@ -25,8 +26,9 @@ __all__ = ["exclusive_suffix_sum", "intra_chunk_scores"]
 def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """out[t] = sum_{s > t} x[s] along ``dim``, accumulated from the end (no cancellation)."""
     inclusive = x.flip(dim).cumsum(dim).flip(dim)
-    n = x.shape[dim]
-    return torch.cat([inclusive.narrow(dim, 1, n - 1), torch.zeros_like(inclusive.narrow(dim, 0, 1))], dim)
+    dim = dim % x.dim()
+    # shift by one towards the start, a zero last: (0, 0) for each dimension after ``dim``, then (0, 1)
+    return F.pad(inclusive.narrow(dim, 1, x.shape[dim] - 1), (0, 0) * (x.dim() - 1 - dim) + (0, 1))
 
 
 @functools.lru_cache(maxsize=16)
