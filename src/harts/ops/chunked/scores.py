@@ -73,10 +73,13 @@ def intra_chunk_scores(q, k, g):
     while s < C:
         n_par = C // (2 * s)
         gs, qs, ks = (x.reshape(*lead, n_par, 2, s, K) for x in (g, q, k))
-        row_w = torch.exp(gs[..., 1, :, :].cumsum(-2))  # exp(sum_{r<s'<=t} g)
-        col_w = torch.exp(exclusive_suffix_sum(gs[..., 0, :, :], -2))  # exp(sum_{j<s'<=r} g)
+        if s == 1:  # pairs (2i, 2i + 1): the row weight is exp(g_t), the column weight exp(0) = 1
+            row_w, cols = torch.exp(gs[..., 1, :, :]), ks[..., 0, :, :]
+        else:
+            row_w = torch.exp(gs[..., 1, :, :].cumsum(-2))  # exp(sum_{r<s'<=t} g)
+            col_w = torch.exp(exclusive_suffix_sum(gs[..., 0, :, :], -2))  # exp(sum_{j<s'<=r} g)
+            cols = ks[..., 0, :, :] * col_w  # [..., n_par, s, K]
         rows = torch.cat([qs[..., 1, :, :] * row_w, ks[..., 1, :, :] * row_w], -2)  # [..., n_par, 2s, K]
-        cols = ks[..., 0, :, :] * col_w  # [..., n_par, s, K]
         blk = rows @ cols.transpose(-1, -2)  # [..., n_par, 2s, s]
         q_vals.append(blk[..., :s, :].reshape(*lead, -1))
         k_vals.append(blk[..., s:, :].reshape(*lead, -1))
