@@ -37,10 +37,9 @@ def chunked_inputs(
     """fp32 copies of the per-token inputs [..., H, D] cut into chunks by ``cut``; g may be per head
     (:func:`~harts.ops.chunked.gate.gate_per_key`), each scalar [..., H].
 
-    The inputs are cut side by side, as one tensor [..., H, 3K + V + S], and handed on as views of
-    it: one cut (and one gather back in backward) instead of one per input.
+    Each input is cut on its own: cut side by side as one tensor, the views that autograd saves
+    would keep the whole of it (q's and g's chunks too, which nothing saves) until backward.
     """
     q, k, v, g = (x.float() for x in (q, k, v, g))
-    pieces = (q, k, v, gate_per_key(g, k), *(s.float().unsqueeze(-1) for s in scalars))
-    q, k, v, g, *cut_scalars = cut(torch.cat(pieces, -1)).split([x.shape[-1] for x in pieces], -1)
-    return ChunkedInputs(q * scale, k, v, g, tuple(cut_scalars))
+    q, k, v, g = (cut(x) for x in (q, k, v, gate_per_key(g, k)))
+    return ChunkedInputs(q * scale, k, v, g, tuple(cut(s.float().unsqueeze(-1)) for s in scalars))

@@ -82,13 +82,13 @@ class TreeStateScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, trans, drive, initial, source, levels):
-        # Rows of one level are read and written as blocks: copy the chunk-major views once.
-        trans, drive = trans.contiguous(), drive.contiguous()
         r = initial.shape[0]
         diagonal = trans.dim() == drive.dim() - 1  # [M, H, K]: a decay per key channel
         buf = torch.empty((r + trans.shape[0], *drive.shape[1:]), dtype=drive.dtype, device=drive.device)
         buf[:r] = initial
-        starts = torch.empty_like(drive)
+        # Chunk-major work rows, so that a level of slices is one block; the starts are returned in
+        # ``drive``'s layout, which the caller's products read without copying (and saving) them.
+        starts = drive.new_empty(drive.shape)
         for idx in levels:
             if isinstance(idx, slice):  # write each level's rows in place: two ops per level
                 s0 = torch.index_select(buf, 0, source[idx], out=starts[idx])
@@ -106,6 +106,7 @@ class TreeStateScan(torch.autograd.Function):
             else:
                 end = torch.baddbmm(drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1))
             buf[idx + r] = end.view_as(s0)
+        starts = torch.empty_like(drive).copy_(starts)
         ctx.save_for_backward(trans, starts, source)
         ctx.levels, ctx.r, ctx.diagonal = levels, r, diagonal
         ctx.set_materialize_grads(False)  # end states no later part reads get no zero gradient
@@ -121,9 +122,7 @@ class TreeStateScan(torch.autograd.Function):
                 grad = starts.new_zeros((r + trans.shape[0], *starts.shape[1:]))
             else:
                 grad = torch.cat([grad_ends.new_zeros((r, *grad_ends.shape[1:])), grad_ends])
-            grad_trans = torch.empty_like(trans)
-            if grad_starts is not None:
-                grad_starts = grad_starts.contiguous()
+            grad_trans = trans.new_empty(trans.shape)  # chunk-major: a level's rows are one block
             for idx in reversed(ctx.levels):
                 g_end = grad[_shifted(idx, r)]  # complete: every reader of this end state is in a later level
                 if ctx.diagonal:
