@@ -232,18 +232,15 @@ def flat_budget_variants(budget: int | None, others: Iterable[int], flat: Forest
     micro-batch, the same step as no budget, and one below the longest trajectory is raised to it
     (:func:`flat_run`)."""
 
-    def effective(b: int | None) -> int | None:
-        return effective_flat_budget(b, flat)
-
     budgets: dict[str, int | None] = {"flat": budget}
-    seen = {effective(budget)}
+    seen = {effective_flat_budget(budget, flat)}
     if None not in seen:
         budgets["flat_whole"] = None
         seen.add(None)
     for b in sorted(set(others)):
-        if effective(b) not in seen:
+        if (plan := effective_flat_budget(b, flat)) not in seen:
             budgets[f"flat_{b}"] = b
-            seen.add(effective(b))
+            seen.add(plan)
     return budgets
 
 

@@ -76,24 +76,22 @@ def measure(
     rollouts = [harts.Rollout(t) for t in trajectories]
     tree_rows, flat_rows = harts.build_loss_rows(tree, rollouts), harts.build_loss_rows(flat, rollouts)
 
-    def effective(budget: int | None) -> int | None:  # the flat micro-batches a budget gives
-        return effective_flat_budget(budget, flat)
-
     fns: dict[str, Callable[[], object]] = {}
     for b in budgets:
         run = harts.RunConfig(budget_tokens=b)
         fns[f"tree {b}"] = lambda run=run: step(model, tree, tree_rows, run)
-    flat_of: dict[int | None, str] = {}  # effective budget -> the variant that runs it
-    for fb in sorted({x for b in budgets for x in (b, 4 * b)}) + [None]:
-        if effective(fb) not in flat_of:
-            flat_of[effective(fb)] = name = f"flat {effective(fb) or 'whole'}"
-            run = harts.RunConfig(budget_tokens=effective(fb))
-            fns[name] = lambda run=run: step(model, flat, flat_rows, run)
+    # the flat micro-batches each budget gives (effective budget), and the variant that runs them
+    effective = {fb: effective_flat_budget(fb, flat) for b in budgets for fb in (b, 4 * b, None)}
+    flat_of: dict[int | None, str] = {}
+    for eb in sorted(set(effective.values()), key=lambda x: (x is None, x)):
+        flat_of[eb] = name = f"flat {eb or 'whole'}"
+        run = harts.RunConfig(budget_tokens=eb)
+        fns[name] = lambda run=run: step(model, flat, flat_rows, run)
     medians = _timed(fns, model, repeats)
     ideal = ideal_speedup(flop_model(model), tree, flat)
     rows = []
     for b in budgets:
-        best = min((flat_of[effective(x)] for x in (b, 4 * b, None)), key=medians.__getitem__)
+        best = min((flat_of[effective[x]] for x in (b, 4 * b, None)), key=medians.__getitem__)
         speedup = medians[best] / medians[f"tree {b}"]
         rows.append(dict(family=family, shape=shape, redundancy=flat.num_tokens / tree.num_tokens,
                          unique_tokens=tree.num_tokens, budget=b, tree_ms=1e3 * medians[f"tree {b}"],
