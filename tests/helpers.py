@@ -367,6 +367,22 @@ def fused_kernels(on: bool):
         TREE_ATTENTION._FUSED_CPU = old
 
 
+PLAN_ATTENTION = importlib.import_module("harts.plan.attention")
+
+
+@contextlib.contextmanager
+def shared_prefixes(kind: str):
+    """Tree-attention plans with shared-prefix calls where the defaults choose them ("default"),
+    for every run of ancestor keys that some block reads ("all"), or never ("off")."""
+    old = PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED
+    PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED = {
+        "default": old, "all": (1, 0), "off": (1, 1 << 62)}[kind]
+    try:
+        yield
+    finally:
+        PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED = old
+
+
 @contextlib.contextmanager
 def padding_by(kind: str | int):
     """Key padding removed by per-block masks within the default bound ("mask"), always by the

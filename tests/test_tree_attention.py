@@ -5,7 +5,9 @@ are external: their tokens exist only as keys (computed in an earlier micro-batc
 space is larger than the query space and query rows are shifted by the external token count.
 Outputs and gradients of q, k, v are compared in float64; float32 cases run CPU flash attention.
 ``fused=False`` sends every group down the backward that recomputes the group's forward (the path
-of non-CPU devices) instead of CPU flash attention's fused backward kernel.
+of non-CPU devices) instead of CPU flash attention's fused backward kernel. ``prefixes`` plans
+shared-prefix calls as the defaults choose ("default"), wherever a block reads ancestor keys
+("all"), or never ("off"; tests of the groups' own machinery).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from hypothesis import strategies as st
 import harts
 from harts.ops.tree_attention import masked_tree_attention, tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
-from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, padding_by, plan_args, token_run
+from tests.helpers import (
+    ATTENTION_FORESTS,
+    ATTENTION_SCALE,
+    fused_kernels,
+    padding_by,
+    plan_args,
+    shared_prefixes,
+    token_run,
+)
 
 TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
 ATOL_OUT = 1e-10
@@ -38,7 +48,7 @@ def _one_thread():
 
 
 def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=torch.float64,
-           tol=(ATOL_OUT, ATOL_GRAD), fused=True):
+           tol=(ATOL_OUT, ATOL_GRAD), fused=True, prefixes="default"):
     atol, atol_grad = tol
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
@@ -49,7 +59,8 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     k = torch.randn(hkv, m, dk, dtype=dtype, requires_grad=True)
     v = torch.randn(hkv, m, dv, dtype=dtype, requires_grad=True)
     w = torch.randn(n, h, dv, dtype=dtype)
-    plan = plan_tree_attention(**args, max_group_tokens=budget)
+    with shared_prefixes(prefixes):
+        plan = plan_tree_attention(**args, max_group_tokens=budget)
     with fused_kernels(fused):
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         grads = torch.autograd.grad((out * w).sum(), (q, k, v))
@@ -156,10 +167,11 @@ def test_plan_rejects_uncovered_queries():
     cut_frac=st.floats(0, 0.9),
     budget=st.sampled_from([None, 64, 600]),
     fused=st.booleans(),
+    prefixes=st.sampled_from(["off", "all"]),
 )
-def test_tree_attention_random_forests(trajs, cut_frac, budget, fused):
+def test_tree_attention_random_forests(trajs, cut_frac, budget, fused, prefixes):
     forest = harts.build_forest(trajs)
-    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget, fused=fused)
+    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget, fused=fused, prefixes=prefixes)
 
 
 # ---- backward: both paths, and what it saves ---------------------------------------------------
@@ -182,7 +194,7 @@ def test_tree_attention_backward_paths(case, dtype, fused, padding):
     tol = (ATOL_OUT, ATOL_GRAD) if dtype == torch.float64 else (2e-5, 2e-5)
     with padding_by(padding):
         plan = _check(ATTENTION_FORESTS[name], cut=cut, heads=heads, dk=dk, dv=dv, budget=budget,
-                      dtype=dtype, tol=tol, fused=fused)
+                      dtype=dtype, tol=tol, fused=fused, prefixes="off")
     # the padded groups took the way asked for: per-block masks (these groups are small) or the channel
     assert any(key[0] == "padded_mask" for key in plan._cache) == (padding == "mask")
     assert any(g.pad_keys for g in plan.groups) and any(not g.pad_keys and g.lk > 1 for g in plan.groups)
@@ -195,13 +207,14 @@ def test_padded_groups_take_masks_within_the_bound_and_the_channel_beyond(fused)
     """Under a bound that holds the first padded group's mask but not all of them, the first ones
     take masks and the rest the channel, in one call, and the result stays exact."""
     forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
-    plan = plan_tree_attention(**plan_args(forest, 2)[0], max_group_tokens=2048)
+    with shared_prefixes("off"):
+        plan = plan_tree_attention(**plan_args(forest, 2)[0], max_group_tokens=2048)
     r = 2  # heads (4, 2)
     sizes = [g.size * r * g.lq * g.lk for g in plan.groups if g.pad_keys]
     assert len(sizes) >= 2
     with padding_by(sizes[0]):
         checked = _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=8, dv=8, budget=2048,
-                         dtype=torch.float32, tol=(2e-5, 2e-5), fused=fused)
+                         dtype=torch.float32, tol=(2e-5, 2e-5), fused=fused, prefixes="off")
         chosen = TA._masked_groups(checked, r, None)
     padded = [i for i, g in enumerate(checked.groups) if g.pad_keys]
     assert chosen == {padded[0]}, (chosen, padded)
@@ -211,10 +224,12 @@ def test_padded_groups_take_masks_within_the_bound_and_the_channel_beyond(fused)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["f16", "bf16"])
 def test_tree_attention_half_precision(dtype, tol, fused, padding):
-    """Half-precision inputs (key/value gradients summed over blocks in float32), loosely."""
+    """Half-precision inputs (key/value gradients summed over blocks in float32), loosely; a plan
+    with shared prefixes runs whole paths in half precision."""
     with padding_by(padding):
-        _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048,
-               dtype=dtype, tol=(tol, tol), fused=fused)
+        plan = _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=16, dv=16, budget=2048,
+                      dtype=dtype, tol=(tol, tol), fused=fused, prefixes="all")
+    assert plan.prefixes
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
@@ -223,19 +238,22 @@ def test_backward_kernel_choice(fused, monkeypatch):
     calls = []
     kernel = TA._flash_backward
     monkeypatch.setattr(TA, "_flash_backward", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    plan = _check(ATTENTION_FORESTS["one-token-nodes-D4"], cut=1, fused=fused)
+    plan = _check(ATTENTION_FORESTS["one-token-nodes-D4"], cut=1, fused=fused, prefixes="off")
     assert len(calls) == (sum(g.lk > 1 for g in plan.groups) if fused else 0) and (not fused or calls)
 
 
+@pytest.mark.parametrize("prefixes", ["off", "all"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
-def test_backward_saves_no_gathered_rows(fused):
-    """Saved for backward: q, k, v as passed, the output and per-group logsumexps; no gathered rows,
-    which on short nodes are several times the token count."""
+def test_backward_saves_no_gathered_rows(fused, prefixes):
+    """Saved for backward: q, k, v as passed, the output and per-group logsumexps (with shared
+    prefixes, every query's too); no gathered rows, which on short nodes are several times the
+    token count."""
     forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
     args, _ = plan_args(forest, 0)
-    plan = plan_tree_attention(**args)
+    with shared_prefixes(prefixes):
+        plan = plan_tree_attention(**args)
     n, m = args["num_queries"], args["num_keys"]
-    assert plan.key_index.numel() > 3 * m
+    assert plan.whole().key_index.numel() > 3 * m and bool(plan.prefixes) == (prefixes == "all")
     q = torch.randn(4, n, 8, requires_grad=True)
     k, v = (torch.randn(2, m, d, requires_grad=True) for d in (8, 6))
     saved = {}
@@ -247,6 +265,7 @@ def test_backward_saves_no_gathered_rows(fused):
     with fused_kernels(fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
     lse = 4 * sum(g.size * g.lq for g in plan.groups) * 4  # float32 [Hkv, G, r Lq]
+    lse += 4 * n * 4 if plan.prefixes else 0  # float32 [n, H]
     inputs = sum(x.numel() * x.element_size() for x in (q, k, v))
     assert sum(saved.values()) <= inputs + out.numel() * out.element_size() + lse
     assert saved.keys() >= {x.untyped_storage().data_ptr() for x in (q, k, v)}
@@ -290,3 +309,92 @@ def test_empty_queries():
     out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
     ref = masked_tree_attention(q, k, v, plan_reference_mask(**args), ATTENTION_SCALE)
     assert out.shape == ref.shape == (0, 4, 3)
+
+
+# ---- shared prefixes ---------------------------------------------------------------------------
+PREFIX_CASES = [(name, 0) for name in ATTENTION_FORESTS] + [("deep-binary-D5-S3", 3), ("long-P700-G3", 1),
+                                                             ("roots-R4", 2), ("star-P40-G6", 1)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name,cut", PREFIX_CASES, ids=[f"{n}-cut{c}" for n, c in PREFIX_CASES])
+def test_shared_prefixes_match_references(name, cut, dtype, fused):
+    """Every run of ancestor keys that a block reads as a call of its own, merged by logsumexp, is
+    as exact as the groups alone; without the fused kernels (other devices) the op runs the whole
+    plan."""
+    tol = (ATOL_OUT, ATOL_GRAD) if dtype == torch.float64 else (2e-5, 2e-5)
+    plan = _check(ATTENTION_FORESTS[name], cut=cut, dtype=dtype, tol=tol, fused=fused, prefixes="all")
+    assert plan.prefixes and plan.whole() is not plan and not plan.whole().prefixes
+
+
+def _block_keys(plan) -> list[torch.Tensor]:
+    """Per query (one query head per key/value head), the real key rows its group block reads."""
+    q_start = [0]
+    for g in plan.groups:
+        q_start.append(q_start[-1] + g.size * g.lq)
+    k_start = [0]
+    for g in plan.groups:
+        k_start.append(k_start[-1] + g.size * g.lk)
+    keys = []
+    for t in range(plan.num_queries):
+        pos = int(plan.row_base[t] + plan.row_offset[t])
+        gi = max(i for i in range(len(plan.groups)) if q_start[i] <= pos)
+        g, within = plan.groups[gi], pos - q_start[gi]
+        slot, col = divmod(within, g.lq)
+        at = k_start[gi] + slot * g.lk
+        row = plan.key_index[at: at + g.lk][: g.lk - g.lq + col + 1]  # causal: up to its own key
+        keys.append(row[row != plan.num_keys])
+    return keys
+
+
+@pytest.mark.parametrize("name,cut", PREFIX_CASES, ids=[f"{n}-cut{c}" for n, c in PREFIX_CASES])
+def test_shared_prefixes_and_blocks_read_each_path_key_once(name, cut):
+    """Each query reads every key of its path exactly once, from its block's gathered row or from
+    the shared prefixes over it, and no other key."""
+    forest = harts.build_forest(ATTENTION_FORESTS[name])
+    args, _ = plan_args(forest, cut)
+    with shared_prefixes("all"):
+        plan = plan_tree_attention(**args)
+    reads = torch.zeros(plan.num_queries, plan.num_keys, dtype=torch.long)
+    for t, keys in enumerate(_block_keys(plan)):
+        reads[t].index_add_(0, keys, torch.ones_like(keys))
+    for p in plan.prefixes:
+        reads[p.q0: p.q1, p.k0: p.k1] += 1
+    assert torch.equal(reads, plan_reference_mask(**args).long())
+    assert plan.key_index.numel() < plan.whole().key_index.numel()
+
+
+def test_default_prefixes_take_the_long_shared_prompt():
+    """With the default thresholds, the 960-token prompt that 24 nodes read becomes one call for all
+    their queries, and the blocks gather less than half the key rows."""
+    trajs = [token_run(1, 960) + token_run(2000 + 200 * c, 120) + [5000 + 2 * c + g] * 60
+             for c in range(8) for g in range(2)]
+    forest = harts.build_forest(trajs)
+    args, _ = plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    assert [(p.k0, p.k1, p.q0, p.q1) for p in plan.prefixes] == [(0, 960, 960, forest.num_tokens)]
+    assert 2 * plan.key_index.numel() < plan.whole().key_index.numel()
+    assert plan.exact_cost == plan.whole().exact_cost
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
+def test_one_valued_prefix_runs_whole_paths(fused):
+    """Values that are one value c on a shared prefix: the op runs the whole plan, so that queries
+    whose whole path holds c return c exactly, with exactly zero query and key gradients ("Equal
+    values"); merged partial results would be c only to rounding."""
+    forest = harts.build_forest(ATTENTION_FORESTS["star-P40-G6"])
+    args, _ = plan_args(forest, 0)
+    with shared_prefixes("all"):
+        plan = plan_tree_attention(**args)
+    assert plan.prefixes
+    n = forest.num_tokens
+    torch.manual_seed(0)
+    q, k = torch.randn(4, n, 8, requires_grad=True), torch.randn(2, n, 8, requires_grad=True)
+    c = torch.randn(2, 1, 8)
+    v = c.expand(2, n, 8).clone().requires_grad_()
+    with fused_kernels(fused):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
+        dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
+    assert torch.equal(out, c.repeat_interleave(2, 0).transpose(0, 1).expand(n, 4, 8))
+    assert not dq.any() and not dk.any()

@@ -5,7 +5,8 @@ path, keeps its last W keys and, with sinks, adds the head's sink logit to the s
 denominator, in float64. Outputs and the gradients of q, k, v and the sinks are compared, on the
 fused CPU flash path and on the recompute path of other devices, with external keys (a cut part)
 and several head layouts. Windows: 1 (each token sees itself), 2, 3, 7, and one as long as the
-longest path (the plain plan).
+longest path (the plain plan). Sinks also run over plans with a shared-prefix call wherever a block
+reads ancestor keys (the sink joins each query's block, once); a windowed plan has none.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import harts
 from harts.ops.tree_attention import masked_tree_attention, path_attention_reference, tree_attention
 from harts.plan.attention import plan_reference_mask, plan_tree_attention
-from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, plan_args
+from tests.helpers import ATTENTION_FORESTS, ATTENTION_SCALE, fused_kernels, plan_args, shared_prefixes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,7 +42,7 @@ def _paths(forest, ext: int) -> list[torch.Tensor]:
 
 
 def _check(trajectories, window, sinks: bool, cut=0, heads=(4, 2), dk=8, dv=5, dtype=torch.float64,
-           fused=True, tol=1e-10):
+           fused=True, tol=1e-10, prefixes="default"):
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
     args, ext = plan_args(forest, cut)
@@ -52,7 +53,8 @@ def _check(trajectories, window, sinks: bool, cut=0, heads=(4, 2), dk=8, dv=5, d
     v = torch.randn(hkv, m, dv, dtype=dtype, requires_grad=True)
     s = (torch.randn(h, dtype=dtype) * 2).requires_grad_() if sinks else None
     w = torch.randn(n, h, dv, dtype=dtype)
-    plan = plan_tree_attention(**args)
+    with shared_prefixes(prefixes):
+        plan = plan_tree_attention(**args)
     leaves = [x for x in (q, k, v, s) if x is not None]
     with fused_kernels(fused):
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE, window=window, sinks=s)
@@ -80,11 +82,13 @@ def test_window_matches_per_token_paths(name, window, fused):
     _check(ATTENTION_FORESTS[name], window, sinks=False, fused=fused)
 
 
+@pytest.mark.parametrize("prefixes", ["default", "all"])
 @pytest.mark.parametrize("window", [None, 1, 5], ids=["full", "W1", "W5"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("name", ["star-P40-G6", "one-token-nodes-D4"])
-def test_sinks_match_per_token_paths(name, fused, window):
-    _check(ATTENTION_FORESTS[name], window, sinks=True, fused=fused)
+def test_sinks_match_per_token_paths(name, fused, window, prefixes):
+    plan, _ = _check(ATTENTION_FORESTS[name], window, sinks=True, fused=fused, prefixes=prefixes)
+    assert bool(plan.prefixes) == (prefixes == "all")  # the plan as built; a window runs its own
 
 
 @pytest.mark.parametrize(("name", "cut"), [("star-P40-G6", 1), ("deep-binary-D5-S3", 3)])
@@ -98,6 +102,8 @@ def test_window_with_external_keys(name, cut, sinks):
                          ids=["H4-Hkv4-K8-V8", "H4-Hkv1-K6-V10", "H6-Hkv2-K8-V3"])
 def test_window_and_sinks_heads_and_widths(heads, dk, dv):
     _check(ATTENTION_FORESTS["deep-binary-D5-S3"], 5, sinks=True, cut=2, heads=heads, dk=dk, dv=dv)
+    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], None, sinks=True, cut=2, heads=heads, dk=dk, dv=dv,
+           prefixes="all")
 
 
 def test_float32_flash_path_with_window_and_sinks():
@@ -106,12 +112,15 @@ def test_float32_flash_path_with_window_and_sinks():
 
 
 def test_windowed_plan_gathers_only_the_window():
-    """On a 700-token trunk, a window of 32 bounds the keys a block gathers and the exact cost."""
+    """On a 700-token trunk, a window of 32 bounds the keys a block gathers and the exact cost; the
+    windowed plan has no shared prefixes (a window's keys differ from query to query)."""
     forest = harts.build_forest(ATTENTION_FORESTS["long-P700-G3"])
     args, _ = plan_args(forest, 0)
-    plan = plan_tree_attention(**args)
+    with shared_prefixes("all"):
+        plan = plan_tree_attention(**args)
     windowed = plan.windowed(32)
     assert windowed.window == 32 and windowed is plan.windowed(32)
+    assert plan.prefixes and not windowed.prefixes
     assert max(g.lk - g.lq for g in windowed.groups) <= 31
     positions = forest.token_position
     assert windowed.exact_cost == int(torch.clamp(positions + 1, max=32).sum())

@@ -226,7 +226,7 @@ def tree_block_mask(plan: TreeAttentionPlan, device: torch.device | str):
     device = torch.device(device)
     key = ("flex_block_mask", str(device))
     if key not in plan._cache:
-        pre, end, self_key = _key_forest(plan)
+        pre, end, self_key = _key_forest(plan.whole())  # whole paths: no keys left out for prefixes
         kv_pre, kv_end = (torch.from_numpy(x).to(device) for x in (pre, end))
         q_pre = torch.from_numpy(pre[self_key] if self_key.size else self_key).to(device)
 

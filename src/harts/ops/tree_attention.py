@@ -47,6 +47,19 @@ included), is zero in exact arithmetic, so none is passed back: the values' grad
 Other blocks are untouched (shifting every block by its first value doubles the rounding error of
 outputs whose values have no common part, measured), as are float16 and bfloat16.
 
+Shared prefixes: a plan may run some runs of ancestor keys as calls of their own (the plan's
+``prefixes``, :class:`~harts.plan.attention.SharedPrefix`): every query below a shared prompt
+attends to its keys in one call over contiguous rows, no mask and no gather, and the query blocks
+gather only the rest of their paths. Each call returns its output and logsumexp; a query's results
+merge by weights exp(lse_i - lse), lse = log sum_i exp(lse_i), which is its softmax over all its
+keys. Backward runs each call's fused kernel with the merged output and logsumexp: its scores then
+give exactly the whole softmax's weights on its keys, so the gradients are the whole attention's
+(split-key attention backward, as ring attention runs it). The prefixes run with CPU flash
+attention in float32 and float64 only, and not where some prefix's values are one value for a
+key/value head ("Equal values" would then hold only to rounding): the op runs the plan's
+:meth:`~harts.plan.attention.TreeAttentionPlan.whole` form instead, as it does on other devices
+and in half precision. A sink joins each query's block, so the softmax counts it once.
+
 Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
 several times the token count). Saved are q, k, v as passed, the returned output and, per group
 run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats) and, where some block's values
@@ -162,7 +175,10 @@ def tree_attention(
     if sinks is not None and (sinks.shape != (h,) or sinks.device != q.device):
         raise ValueError(f"sinks must be [H] = [{h}] on {q.device}, "
                          f"got {tuple(sinks.shape)} on {sinks.device}")
-    return _TreeAttention.apply(q, k, v, sinks, plan.windowed(window), scaling)
+    plan = plan.windowed(window)
+    if plan.prefixes and not _prefixes_apply(q, v, plan):
+        plan = plan.whole()
+    return _TreeAttention.apply(q, k, v, sinks, plan, scaling)
 
 
 # CPU groups run the fused flash kernels directly, so backward needs only each group's logsumexp;
@@ -192,7 +208,8 @@ class _TreeAttention(torch.autograd.Function):
         outs, lses, shifts = [], [], []
         for g, _, _, qg, kg, vg, padding, mask in _gathered_groups(q, k, v, plan, scaling, sinks):
             shift = None
-            if kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling):
+            # With shared prefixes every group runs the fused kernel: merging needs its logsumexp.
+            if plan.prefixes or (kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling)):
                 shift = _shift(vg, g, padding)  # vg is the group's own gathered copy: shifted in place
                 vg = vg if shift is None else vg.sub_(shift)
                 out, lse = _flash_forward(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scaling)
@@ -203,11 +220,21 @@ class _TreeAttention(torch.autograd.Function):
             lses.append(lse)
             shifts.append(shift)
         stacked = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [Hkv, R, Dv]
-        output = stacked.reshape(-1, dv)[plan.head_rows(hkv, r)[1]]
-        fused = any(lse is not None for lse in lses)
+        out_rows = plan.head_rows(hkv, r)[1]
+        output = stacked.reshape(-1, dv)[out_rows]
+        lse = None
+        if plan.prefixes:
+            # Every query's logsumexp over all its keys: the groups' backward reads it and the
+            # merged output instead of their own (module docstring, Shared prefixes).
+            lse_all = torch.cat([x.reshape(hkv, -1) for x in lses], dim=1)  # [Hkv, R]
+            lse = lse_all.reshape(-1)[out_rows]  # [n, H]
+            _merge_prefixes(q, k, v, plan, scaling, output, lse)
+            lse_all.view(-1)[out_rows] = lse
+            lses = list(lse_all.split([x[0].numel() for x in lses], dim=1))
+        fused = any(x is not None for x in lses)
         # The output is saved only for the fused backward (which reads it in sum(dO * O)); callers
         # usually keep it anyway (the next op saves it), so it costs no extra memory there.
-        ctx.save_for_backward(q, k, v, sinks, output if fused else None, *lses)
+        ctx.save_for_backward(q, k, v, sinks, output if fused else None, lse, *lses)
         ctx.plan, ctx.scaling = plan, scaling
         ctx.shifts = shifts  # [Hkv, G, 1, dp] per fused group, or None: backward shifts by the same
         return output
@@ -215,7 +242,7 @@ class _TreeAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, k, v, sinks, output, *lses = ctx.saved_tensors
+        q, k, v, sinks, output, query_lse, *lses = ctx.saved_tensors
         plan, scaling = ctx.plan, ctx.scaling
         h, n, dk = q.shape
         hkv, m, dv = v.shape
@@ -245,6 +272,7 @@ class _TreeAttention(torch.autograd.Function):
             rows, dp = qg.shape[1] * qg.shape[2], qg.shape[-1]
             grad_g = _widen(grad_st[:, at: at + rows], dp).reshape(qg.shape)
             if lse is not None:
+                lse = lse.reshape(qg.shape[:3])
                 out_g = _widen(out_st[:, at: at + rows], dp).reshape(qg.shape)
                 if shift is not None:
                     vg, out_g = vg.sub_(shift), out_g - shift
@@ -268,9 +296,77 @@ class _TreeAttention(torch.autograd.Function):
             if need_v:
                 dv_all.index_add_(1, k_rows, gv.reshape(hkv, -1, dp)[..., :dv].to(acc))
             at += rows
+        if plan.prefixes:
+            _prefix_grads(q, k, v, plan, scaling, grad, output, query_lse, dq_all, dk_all, dv_all)
         d_sinks = (sink_grad / scaling).reshape(h).to(sinks.dtype) if need_s else None
         return (dq_all.view(h, n, dk) if need_q else None, dk_all[:, :m].to(k.dtype) if need_k else None,
                 dv_all[:, :m].to(v.dtype) if need_v else None, d_sinks, None, None)
+
+
+def _prefixes_apply(q: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan) -> bool:
+    """Whether ``plan``'s shared prefixes can run here (module docstring, Shared prefixes): CPU flash
+    kernels in float32 or float64, and no prefix whose values are one value for some key/value head
+    (the whole plan then keeps "Equal values" exact)."""
+    if not (_FUSED_CPU and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)):
+        return False
+    for k0, k1 in {(p.k0, p.k1) for p in plan.prefixes}:
+        block = v[:, k0:k1]
+        first_channel = (block[..., 0] == block[:, :1, 0]).all(1).any()  # a small read first
+        if first_channel and (block == block[:, :1]).flatten(1).all(1).any():
+            return False
+    return True
+
+
+def _prefix_inputs(q, k, v, plan: TreeAttentionPlan):
+    """Per shared prefix: (prefix, its queries [Hkv, r, nP, dp], keys and values [Hkv, r, L, dp]),
+    views of q, k and v (widened to a common width dp for CPU flash attention)."""
+    h, n, dk = q.shape
+    hkv, _, dv = v.shape
+    r, dp = h // hkv, max(dk, v.shape[-1])
+    qx, kx, vx = _widen(q, dp).view(hkv, r, n, dp), _widen(k, dp), _widen(v, dp)
+    for p in plan.prefixes:
+        keys = (hkv, r, p.k1 - p.k0, dp)
+        yield (p, qx[:, :, p.q0: p.q1], kx[:, None, p.k0: p.k1].expand(keys),
+               vx[:, None, p.k0: p.k1].expand(keys))
+
+
+def _merge_prefixes(q, k, v, plan: TreeAttentionPlan, scaling: float, output, lse) -> None:
+    """Each shared prefix's attention merged into ``output`` [n, H, Dv] and ``lse`` [n, H] (the
+    groups' results), in place: weights exp(lse_i - lse) of the merged logsumexp."""
+    h, dv = q.shape[0], v.shape[-1]
+    for p, qp, kp, vp in _prefix_inputs(q, k, v, plan):
+        out_p, lse_p = _flash_forward(qp, kp, vp, 0.0, False, attn_mask=None, scale=scaling)
+        rows = p.q1 - p.q0
+        out_p = out_p[..., :dv].permute(2, 0, 1, 3).reshape(rows, h, dv)
+        lse_p = lse_p.permute(2, 0, 1).reshape(rows, h)
+        before = lse[p.q0: p.q1]
+        merged = torch.logaddexp(before, lse_p)
+        out = output[p.q0: p.q1]
+        out.mul_((before - merged).exp_().unsqueeze(-1)).add_(out_p * (lse_p - merged).exp_().unsqueeze(-1))
+        before.copy_(merged)
+
+
+def _prefix_grads(q, k, v, plan: TreeAttentionPlan, scaling: float, grad, output, lse,
+                  dq_all, dk_all, dv_all) -> None:
+    """Each shared prefix's share of the gradients, added in place: the fused backward of its call
+    with the merged output and logsumexp, which gives exactly its keys' part of the softmax."""
+    h, n, dk = q.shape
+    hkv, _, dv = v.shape
+    r = h // hkv
+    for p, qp, kp, vp in _prefix_inputs(q, k, v, plan):
+        rows, dp = p.q1 - p.q0, qp.shape[-1]
+        # the prefix's query rows heads first, [Hkv, r, nP, .], as its call lays them out
+        grad_p, out_p, lse_p = (x[p.q0: p.q1].reshape(rows, hkv, r, -1).permute(1, 2, 0, 3)
+                                for x in (grad, output, lse))
+        gq, gk, gv = _flash_backward(_widen(grad_p, dp).contiguous(), qp, kp, vp,
+                                     _widen(out_p, dp).contiguous(), lse_p[..., 0].contiguous(), 0.0, False,
+                                     attn_mask=None, scale=scaling)
+        if dq_all is not None:
+            dq_all.view(hkv, r, n, dk)[:, :, p.q0: p.q1] += gq[..., :dk]
+        if dk_all is not None:
+            dk_all[:, p.k0: p.k1] += gk.sum(1)[..., :dk].to(dk_all.dtype)
+        if dv_all is not None:
+            dv_all[:, p.k0: p.k1] += gv.sum(1)[..., :dv].to(dv_all.dtype)
 
 
 def _group_mask(plan: TreeAttentionPlan, g: AttentionGroup, r: int, dtype, sink: bool):

@@ -14,6 +14,14 @@ its path position; a windowed plan (:meth:`TreeAttentionPlan.windowed`) gathers 
 W - 1 + b keys of a block of b queries, and the block's rule becomes a bottom-right band of width
 W, the same for every block of a group because keys and queries are right-aligned.
 
+Shared prefixes: on a forest with a long shared prompt, every block below it would gather the
+prompt's keys again (on the agentic bench forest, 26K gathered key rows for 2.5K tokens). The plan
+instead makes a run of ancestor keys that many blocks read a call of its own (a
+:class:`SharedPrefix`: all the queries below it against its keys, contiguous rows, no mask), and
+the blocks gather only the rest of their paths; the op merges the calls by their logsumexp
+(:mod:`harts.ops.tree_attention`). :meth:`TreeAttentionPlan.whole` is the plan without them, for
+the op's paths that cannot merge. A windowed plan has none.
+
 A plan depends only on the forest's structure, so it is built once per micro-batch and reused by
 every full-attention layer.
 """
@@ -25,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["AttentionGroup", "TreeAttentionPlan", "plan_tree_attention", "plan_reference_mask"]
+__all__ = ["AttentionGroup", "SharedPrefix", "TreeAttentionPlan", "plan_tree_attention",
+           "plan_reference_mask"]
 
 # Query blocks: a block's own causal triangle is wasted work, about b / (2 (a + s + b)) of it for a
 # block of b queries at offset s below a ancestor keys; b <= (a + s) / 4 keeps that under 1/10.
@@ -38,6 +47,11 @@ _CALL_ALLOWANCE = 2048
 # Short query blocks are counted as this many rows in the budget, which also bounds gathered keys.
 _MIN_BUDGET_ROWS = 64
 _DEFAULT_GROUP_TOKENS = 1 << 24
+# Shared prefixes (module docstring): a run of ancestor keys becomes a call of its own when it is at
+# least this long and the key rows its call keeps from being gathered again (one gather per query
+# block, forward and backward, and one scatter-add of key and value gradients) reach this count.
+_MIN_PREFIX_KEYS = 32
+_MIN_PREFIX_SAVED = 2048
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,16 @@ class AttentionGroup:
     pad_keys: bool  # some block has fewer than Lk keys: the call needs the padding channel
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """One call over keys ``[k0, k1)`` for queries ``[q0, q1)``, every one of which sees all of them."""
+
+    k0: int
+    k1: int
+    q0: int
+    q1: int
+
+
 @dataclass(eq=False)
 class TreeAttentionPlan:
     """Index tensors of one micro-batch's grouped tree attention, reused by every layer.
@@ -59,7 +83,9 @@ class TreeAttentionPlan:
     padding keys row m (the pad key). With r query heads per key/value head, query t's head s
     lands on row ``r * row_base[t] + s * row_stride[t] + row_offset[t]`` of the groups' outputs
     stacked (each laid out [G, r, Lq]). ``exact_cost`` counts the (query, key) pairs on paths,
-    ``padded_cost`` the score elements the groups compute (per head).
+    ``padded_cost`` the score elements the groups and shared prefixes compute (per head).
+    ``prefixes``: the shared-prefix calls (module docstring); the groups' key rows then leave those
+    keys out, and :meth:`whole` is the same plan without them.
     """
 
     num_queries: int
@@ -74,8 +100,20 @@ class TreeAttentionPlan:
     padded_cost: int
     window: int | None = None  # sliding window along paths (None: whole paths)
     max_path_length: int = 0  # longest path (ancestors + own node) among the plan's nodes
-    _nodes: tuple | None = field(default=None, repr=False)  # the node description, for windowed plans
+    prefixes: tuple[SharedPrefix, ...] = ()
+    _nodes: tuple | None = field(default=None, repr=False)  # the node description, for re-planning
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def whole(self) -> TreeAttentionPlan:
+        """The plan of the same nodes without shared prefixes (every block gathers its whole path);
+        this plan when it has none. Cached."""
+        if not self.prefixes:
+            return self
+        if "whole" not in self._cache:
+            nodes, budget = self._nodes
+            self._cache["whole"] = _plan(*nodes, self.num_queries, self.num_keys, self.key_index.device,
+                                         budget, None, split=False)
+        return self._cache["whole"]
 
     def windowed(self, window: int | None) -> TreeAttentionPlan:
         """The plan of the same nodes where each token sees only the last ``window`` tokens of its path
@@ -88,7 +126,7 @@ class TreeAttentionPlan:
         if key not in self._cache:
             nodes, budget = self._nodes
             self._cache[key] = _plan(*nodes, self.num_queries, self.num_keys, self.key_index.device,
-                                     budget, window)
+                                     budget, window, split=False)
         return self._cache[key]
 
     def mask(self, lq: int, lk: int, r: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -198,11 +236,68 @@ def plan_tree_attention(
     return _plan(qs, ln, ks, anc, num_queries, num_keys, torch.device(device or "cpu"), budget, window)
 
 
-def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int, window: int | None):
-    """:func:`plan_tree_attention` on checked host arrays."""
+def _key_runs(a: np.ndarray) -> np.ndarray:
+    """[R, 2]: the runs of consecutive key rows in ``a``, each as [first, last + 1)."""
+    if not a.size:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(a) != 1) + 1
+    first, last = np.concatenate([[0], breaks]), np.concatenate([breaks, [a.size]]) - 1
+    return np.stack([a[first], a[last] + 1], axis=1)
+
+
+def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list[np.ndarray]]:
+    """The shared-prefix calls worth making, and each node's ancestor keys without their keys.
+
+    Ancestor key lists are cut into pieces at every place where some list's run of consecutive rows
+    starts or ends; a piece is then read by every node whose path holds it, whole. Adjacent pieces
+    read by the same nodes join. A piece becomes calls (one per contiguous range of its readers'
+    query rows) when it holds at least :data:`_MIN_PREFIX_KEYS` keys and the gathered key rows it
+    saves, its keys times the query blocks reading it less its calls, reach
+    :data:`_MIN_PREFIX_SAVED`.
+    """
+    runs = [_key_runs(a) for a in anc]
+    edges = np.unique(np.concatenate(runs)) if runs else np.zeros(0, dtype=np.int64)
+    readers: dict[tuple[int, int], list[int]] = {}
+    for m, node_runs in enumerate(runs):
+        for lo, hi in node_runs.tolist():
+            cut = edges[np.searchsorted(edges, lo): np.searchsorted(edges, hi) + 1].tolist()
+            for a, b in zip(cut[:-1], cut[1:], strict=False):
+                readers.setdefault((a, b), []).append(m)
+    pieces: list[list] = []
+    for (a, b), nodes in sorted(readers.items()):
+        if pieces and pieces[-1][1] == a and pieces[-1][2] == nodes:
+            pieces[-1][1] = b
+        else:
+            pieces.append([a, b, nodes])
+    prefixes, split = [], np.zeros(int(edges[-1]) if edges.size else 0, dtype=bool)
+    for a, b, nodes in pieces:
+        if b - a < _MIN_PREFIX_KEYS:
+            continue
+        spans: list[list[int]] = []
+        for q0, q1 in sorted((int(qs[m]), int(qs[m] + ln[m])) for m in nodes):
+            if spans and spans[-1][1] == q0:
+                spans[-1][1] = q1
+            else:
+                spans.append([q0, q1])
+        blocks = sum(len(_query_blocks(anc[m].size, int(ln[m]), budget)) for m in nodes)
+        if (b - a) * (blocks - len(spans)) < _MIN_PREFIX_SAVED:
+            continue
+        split[a:b] = True
+        prefixes.extend(SharedPrefix(a, b, q0, q1) for q0, q1 in spans)
+    if not prefixes:
+        return [], anc
+    return prefixes, [a[~split[a]] for a in anc]
+
+
+def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int, window: int | None,
+          split: bool = True):
+    """:func:`plan_tree_attention` on checked host arrays; ``split``: with shared prefixes (never
+    with a window)."""
     max_path = int(max((a.size + int(l_) for a, l_ in zip(anc, ln, strict=True)), default=0))
     if window is not None and window >= max_path:
         window = None  # the window covers every path: plain attention
+    full = anc
+    prefixes, anc = _shared_prefixes(qs, ln, anc, budget) if split and window is None else ([], anc)
     # Blocks: (node, own offset s, queries b, first key column k0); keys are the path's columns
     # k0 .. a + s + b - 1 (ancestors and own keys up to the block's end; with a window, from the
     # first one the block's first query sees).
@@ -255,8 +350,10 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
         groups.append(AttentionGroup(size, g_lq, g_lk, bool((lk[order[g0:g1]] < g_lk).any())))
         base += size * g_lq
         padded += size * g_lq * g_lk
-    if window is None:
-        exact = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
+    padded += sum((p.q1 - p.q0) * (p.k1 - p.k0) for p in prefixes)
+    if window is None:  # a block's full path: its ancestors' keys, shared prefixes included
+        lk_full = np.array([full[m].size + s + b for m, s, b, _ in blocks], dtype=np.int64)
+        exact = int((lq * (lk_full - lq) + lq * (lq + 1) // 2).sum())
     else:  # query at path position p sees min(p + 1, W) keys; a block's queries sit at a + s .. + b - 1
         first = np.array([anc[m].size + s for m, s, _, _ in blocks], dtype=np.int64) + 1
         ramp = np.clip(window - first, 0, lq)  # queries still below the window's full width
@@ -264,7 +361,7 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     q_all, k_all = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (q_parts, k_parts))
     return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
                              for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded,
-                             window, max_path, ((qs, ln, ks, anc), budget))
+                             window, max_path, tuple(prefixes), ((qs, ln, ks, full), budget))
 
 
 def plan_reference_mask(
