@@ -48,8 +48,8 @@ _CALL_ALLOWANCE = 2048
 _MIN_BUDGET_ROWS = 64
 _DEFAULT_GROUP_TOKENS = 1 << 24
 # Shared prefixes (module docstring): a run of ancestor keys becomes a call of its own when it is at
-# least this long and the key rows its call keeps from being gathered again (one gather per query
-# block, forward and backward, and one scatter-add of key and value gradients) reach this count.
+# least this long and the key rows its call keeps from being gathered (one gather per query block,
+# forward and backward, one scatter-add of key and value gradients, and mask columns) reach this count.
 _MIN_PREFIX_KEYS = 32
 _MIN_PREFIX_SAVED = 2048
 
@@ -252,8 +252,8 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
     starts or ends; a piece is then read by every node whose path holds it, whole. Adjacent pieces
     read by the same nodes join. A piece becomes calls (one per contiguous range of its readers'
     query rows) when it holds at least :data:`_MIN_PREFIX_KEYS` keys and the gathered key rows it
-    saves, its keys times the query blocks reading it less its calls, reach
-    :data:`_MIN_PREFIX_SAVED`.
+    saves, its keys times the query blocks reading it, reach :data:`_MIN_PREFIX_SAVED` (a call reads
+    its keys in place, and its scores need no mask).
     """
     runs = [_key_runs(a) for a in anc]
     edges = np.unique(np.concatenate(runs)) if runs else np.zeros(0, dtype=np.int64)
@@ -280,7 +280,7 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
             else:
                 spans.append([q0, q1])
         blocks = sum(len(_query_blocks(anc[m].size, int(ln[m]), budget)) for m in nodes)
-        if (b - a) * (blocks - len(spans)) < _MIN_PREFIX_SAVED:
+        if (b - a) * blocks < _MIN_PREFIX_SAVED:
             continue
         split[a:b] = True
         prefixes.extend(SharedPrefix(a, b, q0, q1) for q0, q1 in spans)
