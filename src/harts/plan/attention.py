@@ -15,10 +15,11 @@ W - 1 + b keys of a block of b queries, and the block's rule becomes a bottom-ri
 W, the same for every block of a group because keys and queries are right-aligned.
 
 Shared prefixes: on a forest with a long shared prompt, every block below it would gather the
-prompt's keys again (on the agentic bench forest, 26K gathered key rows for 2.5K tokens). The plan
-instead makes a run of ancestor keys that many blocks read a call of its own (a
-:class:`SharedPrefix`: all the queries below it against its keys, contiguous rows, no mask), and
-the blocks gather only the rest of their paths; the op merges the calls by their logsumexp
+prompt's keys again (on the agentic bench forest, 26K gathered key rows for 2.5K tokens), and a
+part cut below a long context would gather and mask thousands of context keys. The plan instead
+makes a long run of ancestor keys a call of its own (a :class:`SharedPrefix`: all the queries
+below it against its keys, contiguous rows, no mask), and the blocks gather only the rest of their
+paths; the op merges the calls by their logsumexp
 (:mod:`harts.ops.tree_attention`). :meth:`TreeAttentionPlan.whole` is the plan without them, for
 the op's paths that cannot merge. A windowed plan has none.
 
