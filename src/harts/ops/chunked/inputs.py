@@ -16,7 +16,7 @@ __all__ = ["ChunkedInputs", "chunked_inputs"]
 class ChunkedInputs:
     """q (times the scale), k [..., C, K]; v [..., C, V]; g [..., C, K], the log-decay per key
     channel; ``scalars``: per-token, per-head inputs (the delta rule's beta) as [..., C, 1].
-    The leading dimensions are the layout's ([B, H, N] for segments, [1, H, M] for a chunk tree)."""
+    The leading dimensions are the layout's ([B, H, N] for segments, [M, H] for a chunk tree)."""
 
     q: torch.Tensor
     k: torch.Tensor

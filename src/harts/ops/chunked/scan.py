@@ -106,7 +106,8 @@ class TreeStateScan(torch.autograd.Function):
             else:
                 end = torch.baddbmm(drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1))
             buf[idx + r] = end.view_as(s0)
-        starts = torch.empty_like(drive).copy_(starts)
+        if not drive.is_contiguous():  # in drive's layout, which its readers share
+            starts = torch.empty_like(drive).copy_(starts)
         ctx.save_for_backward(trans, starts, source)
         ctx.levels, ctx.r, ctx.diagonal = levels, r, diagonal
         ctx.set_materialize_grads(False)  # end states no later part reads get no zero gradient

@@ -2,7 +2,11 @@
 
 Every node of the plan is cut into chunks of C slots (a padded slot is an identity step: every
 input zero there, so a node's last chunk ends with the node's final state), all M chunks form one
-batch [1, H, M, C, .], and the chunk-to-chunk maps run down the tree by :class:`TreeStateScan`.
+batch [M, H, C, .], and the chunk-to-chunk maps run down the tree by :class:`TreeStateScan`.
+
+The batch is chunk-major ([M, H], not [H, M]): the chunk products then give the state maps and
+the chunk-start states as the scan reads and writes them, one level of chunks a contiguous block of
+rows, so no level copies its rows in forward or backward.
 """
 
 from __future__ import annotations
@@ -18,33 +22,31 @@ __all__ = ["TreeChunks"]
 
 
 class TreeChunks:
-    """The N unique tokens of ``plan`` in its M chunks, as one batch [1, H, M, C, .]."""
+    """The N unique tokens of ``plan`` in its M chunks, as one batch [M, H, C, .]."""
 
     def __init__(self, plan: ChunkTreePlan):
         self.plan = plan
 
     def cut(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, H, D] per unique token -> [1, H, M, C, D] per chunk slot (padded slots zero)."""
+        """[N, H, D] per unique token -> [M, H, C, D] per chunk slot (padded slots zero)."""
         p = self.plan
         slots = _RowGather.apply(x, p.token_index.view(-1), p.output_index, True, False)
-        return slots.view(*p.token_index.shape, *x.shape[1:]).permute(2, 0, 1, 3)[None]
+        return slots.view(*p.token_index.shape, *x.shape[1:]).transpose(1, 2)
 
     def inputs(self, q, k, v, g, scalars: tuple[torch.Tensor, ...], scale: float) -> ChunkedInputs:
         """q, k, g [N, H, K] (g may be per head), v [N, H, V], scalars [N, H] in chunks."""
         return chunked_inputs(self.cut, q, k, v, g, scalars, scale)
 
     def scan(self, trans, drive, initial):
-        """(chunk-start states [1, H, M, K, V], end states [M, H, K, V]) down the chunk tree, from
-        the roots' initial states ``initial`` [R, H, K, V]."""
-        t = trans[0].transpose(0, 1)  # [M, H, K, K], or [M, H, K] for a diagonal map
-        d = drive[0].transpose(0, 1)  # [M, H, K, V]
-        starts, ends = TreeStateScan.apply(t, d, initial.float(), self.plan.source, self.plan.levels)
-        return starts.transpose(0, 1)[None], ends
+        """(chunk-start states, end states [M, H, K, V]) down the chunk tree from the roots' initial
+        states ``initial`` [R, H, K, V]; ``trans`` [M, H, K, K] (or its diagonal [M, H, K]), ``drive``
+        [M, H, K, V]."""
+        return TreeStateScan.apply(trans, drive, initial.float(), self.plan.source, self.plan.levels)
 
     def outputs(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[1, H, M, C, V] per chunk slot -> [N, H, V] per unique token, in ``dtype``."""
-        h, m, c, v = o.shape[1:]
-        slots = o[0].permute(1, 2, 0, 3).reshape(m * c, h, v)
+        """[M, H, C, V] per chunk slot -> [N, H, V] per unique token, in ``dtype``."""
+        m, h, c, v = o.shape
+        slots = o.transpose(1, 2).reshape(m * c, h, v)
         p = self.plan
         return _RowGather.apply(slots, p.output_index, p.token_index.view(-1), False, True).to(dtype)
 
