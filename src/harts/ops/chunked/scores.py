@@ -23,8 +23,25 @@ import torch.nn.functional as F
 __all__ = ["exclusive_suffix_sum", "intra_chunk_scores"]
 
 
+#: Longest ``dim`` of :func:`exclusive_suffix_sum` taken as one product with a 0/1 matrix.
+_MAX_PRODUCT_SUM = 128
+
+
+@functools.lru_cache(maxsize=32)
+def _strictly_upper(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=dtype, device=device).triu(1)
+
+
 def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """out[t] = sum_{s > t} x[s] along ``dim``, accumulated from the end (no cancellation)."""
+    """out[t] = sum_{s > t} x[s] along ``dim``: a direct sum of those terms (no cancellation).
+
+    Along the second-to-last dimension (the chunk's, up to :data:`_MAX_PRODUCT_SUM` long) it is one
+    product with the strictly upper triangular 0/1 matrix, each out[t] the sum of x[s] for s > t
+    (the zero terms are exact): one op each way instead of flip, cumsum and flip, which cost 2-3x as
+    much on a chunk tree's [M, H, C, K] inputs. Elsewhere, cumulative sums from the end.
+    """
+    if dim % x.dim() == x.dim() - 2 and x.shape[dim] <= _MAX_PRODUCT_SUM:
+        return torch.einsum("ts,...sk->...tk", _strictly_upper(x.shape[dim], x.dtype, x.device), x)
     inclusive = x.flip(dim).cumsum(dim).flip(dim)
     dim = dim % x.dim()
     # shift by one towards the start, a zero last: (0, 0) for each dimension after ``dim``, then (0, 1)
