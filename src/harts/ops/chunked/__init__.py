@@ -11,7 +11,7 @@ tree (:class:`TreeChunks`).
 from harts.ops.chunked.gate import gate_per_key, head_gate
 from harts.ops.chunked.inputs import ChunkedInputs, chunked_inputs
 from harts.ops.chunked.scan import StateScan, TreeStateScan
-from harts.ops.chunked.scores import exclusive_suffix_sum, intra_chunk_scores
+from harts.ops.chunked.scores import chunk_prefix_sum, exclusive_suffix_sum, intra_chunk_scores
 from harts.ops.chunked.segments import SegmentChunks
 from harts.ops.chunked.tree import TreeChunks
 
@@ -21,6 +21,7 @@ __all__ = [
     "StateScan",
     "TreeChunks",
     "TreeStateScan",
+    "chunk_prefix_sum",
     "chunked_inputs",
     "exclusive_suffix_sum",
     "gate_per_key",

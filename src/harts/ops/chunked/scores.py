@@ -20,28 +20,46 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["exclusive_suffix_sum", "intra_chunk_scores"]
+__all__ = ["chunk_prefix_sum", "exclusive_suffix_sum", "intra_chunk_scores"]
 
 
-#: Longest ``dim`` of :func:`exclusive_suffix_sum` taken as one product with a 0/1 matrix.
+#: Longest chunk whose sums along it run as one product with a 0/1 triangle.
 _MAX_PRODUCT_SUM = 128
 
 
 @functools.lru_cache(maxsize=32)
-def _strictly_upper(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=dtype, device=device).triu(1)
+def _triangle(n: int, strict_upper: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, n] 0/1: ones above the diagonal (``strict_upper``), or on and below it."""
+    ones = torch.ones(n, n, dtype=dtype, device=device)
+    return ones.triu(1) if strict_upper else ones.tril()
+
+
+def _by_product(x: torch.Tensor, dim: int) -> bool:
+    return dim % x.dim() == x.dim() - 2 and x.shape[dim] <= _MAX_PRODUCT_SUM
+
+
+def chunk_prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_{s <= t} x[s] along the chunk dimension (second to last) of x [..., C, K].
+
+    One product with the lower triangular 0/1 matrix: each out[t] a direct sum of x[0..t] (the zero
+    terms are exact), as ``cumsum`` gives, but one op each way where cumsum's backward takes three
+    (flip, cumsum, flip). Chunks longer than :data:`_MAX_PRODUCT_SUM`: ``cumsum``.
+    """
+    if not _by_product(x, -2):
+        return x.cumsum(-2)
+    return torch.einsum("ts,...sk->...tk", _triangle(x.shape[-2], False, x.dtype, x.device), x)
 
 
 def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """out[t] = sum_{s > t} x[s] along ``dim``: a direct sum of those terms (no cancellation).
 
-    Along the second-to-last dimension (the chunk's, up to :data:`_MAX_PRODUCT_SUM` long) it is one
-    product with the strictly upper triangular 0/1 matrix, each out[t] the sum of x[s] for s > t
-    (the zero terms are exact): one op each way instead of flip, cumsum and flip, which cost 2-3x as
-    much on a chunk tree's [M, H, C, K] inputs. Elsewhere, cumulative sums from the end.
+    Along the chunk dimension (second to last, up to :data:`_MAX_PRODUCT_SUM` long) it is one
+    product with the strictly upper triangular 0/1 matrix (the zero terms are exact): one op each
+    way instead of flip, cumsum and flip, which cost 2-3x as much on a chunk tree's [M, H, C, K]
+    inputs. Elsewhere, cumulative sums from the end.
     """
-    if dim % x.dim() == x.dim() - 2 and x.shape[dim] <= _MAX_PRODUCT_SUM:
-        return torch.einsum("ts,...sk->...tk", _strictly_upper(x.shape[dim], x.dtype, x.device), x)
+    if _by_product(x, dim):
+        return torch.einsum("ts,...sk->...tk", _triangle(x.shape[dim], True, x.dtype, x.device), x)
     inclusive = x.flip(dim).cumsum(dim).flip(dim)
     dim = dim % x.dim()
     # shift by one towards the start, a zero last: (0, 0) for each dimension after ``dim``, then (0, 1)
@@ -93,7 +111,7 @@ def intra_chunk_scores(q, k, g):
         if s == 1:  # pairs (2i, 2i + 1): the row weight is exp(g_t), the column weight exp(0) = 1
             row_w, cols = torch.exp(gs[..., 1, :, :]), ks[..., 0, :, :]
         else:
-            row_w = torch.exp(gs[..., 1, :, :].cumsum(-2))  # exp(sum_{r<s'<=t} g)
+            row_w = torch.exp(chunk_prefix_sum(gs[..., 1, :, :]))  # exp(sum_{r<s'<=t} g)
             col_w = torch.exp(exclusive_suffix_sum(gs[..., 0, :, :], -2))  # exp(sum_{j<s'<=r} g)
             cols = ks[..., 0, :, :] * col_w  # [..., n_par, s, K]
         rows = torch.cat([qs[..., 1, :, :] * row_w, ks[..., 1, :, :] * row_w], -2)  # [..., n_par, 2s, K]

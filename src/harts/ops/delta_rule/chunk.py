@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.chunked import ChunkedInputs, SegmentChunks, exclusive_suffix_sum, intra_chunk_scores
+from harts.ops.chunked import (
+    ChunkedInputs,
+    SegmentChunks,
+    chunk_prefix_sum,
+    exclusive_suffix_sum,
+    intra_chunk_scores,
+)
 
 __all__ = ["chunked_gated_delta_rule", "delta_rule_chunks"]
 
@@ -34,7 +40,7 @@ def delta_rule_chunks(x: ChunkedInputs, scan, initial: torch.Tensor):
     (beta,) = x.scalars
     V = v.shape[-1]
     P, A = intra_chunk_scores(q, k, g)
-    G = g.cumsum(-2)  # sum_{s<=t} g_s from the chunk start
+    G = chunk_prefix_sum(g)  # sum_{s<=t} g_s from the chunk start
     # Within a chunk, u_t = beta_t (v_t - k_t^T S_{t-1}') solves (I + diag(beta) A) U = beta (V - (K*e^G) S0)
     # (UT transform, Yang et al. 2024); solve once for both right-hand sides.
     rhs = torch.cat([v * beta, k * torch.exp(G) * beta], -1)

@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.chunked import ChunkedInputs, SegmentChunks, exclusive_suffix_sum, intra_chunk_scores
+from harts.ops.chunked import (
+    ChunkedInputs,
+    SegmentChunks,
+    chunk_prefix_sum,
+    exclusive_suffix_sum,
+    intra_chunk_scores,
+)
 
 __all__ = ["chunked_gated_linear_attention", "gated_linear_attention_chunks"]
 
@@ -35,7 +41,7 @@ def gated_linear_attention_chunks(x: ChunkedInputs, scan, initial: torch.Tensor)
     states, final states)."""
     q, k, v, g = x.q, x.k, x.v, x.g
     P, _ = intra_chunk_scores(q, k, g)  # P[t, j] = q_t . (k_j * exp(sum_{j<s<=t} g_s)), j <= t
-    G = g.cumsum(-2)
+    G = chunk_prefix_sum(g)
     Qg = q * torch.exp(G)
     Kd = k * torch.exp(exclusive_suffix_sum(g, -2))  # decay from j to the chunk's end
     trans = torch.exp(G[..., -1, :])  # [..., K]: the diagonal of the chunk's state map
