@@ -330,6 +330,9 @@ ATTENTION_FORESTS = {
     "one-token-nodes-D4": [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 7, 8], [1, 7, 9, 10], [11]],
     "long-P700-G3": [token_run(1, 700) + token_run(1000 * g, 20 + 90 * g) for g in range(1, 4)],
     "roots-R4": [token_run(1, 15), token_run(1, 9) + [50, 51], [60] * 7, [70, 71], [70, 72, 73]],
+    # one-token leaves below a two-token root (one key each once a shared prefix takes the root's)
+    # beside a one-token root (its one key is its whole path)
+    "one-token-leaves-R2": [[7, 6, 9], [7, 6, 5, 1], [8], [7, 6, 3]],
 }
 
 

@@ -135,18 +135,28 @@ def test_plan_cost_is_near_exact():
     assert plan.padded_cost <= 1.5 * plan.exact_cost
 
 
+@pytest.mark.parametrize("prefixes", ["off", "all"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
-@pytest.mark.parametrize("trajs", [[[3]], [[7], [7], [8], [7, 9]]], ids=["lone-token", "one-token-trajs"])
-def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused):
-    """A query with a single key returns that value; in exact arithmetic its query gradient is zero,
-    and so is the key gradient of a token no other token sees."""
+@pytest.mark.parametrize("trajs", [[[3]], [[7], [7], [8], [7, 9]], ATTENTION_FORESTS["one-token-leaves-R2"]],
+                         ids=["lone-token", "one-token-trajs", "one-token-leaves"])
+def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused, prefixes):
+    """A query with a single key (a one-token root) returns that value; in exact arithmetic its query
+    gradient is zero, and so is the key gradient of a token no other token sees. With shared
+    prefixes too: those blocks run apart from the one-key blocks a prefix reaches, on the exact
+    path, whatever the fused kernels' rounding."""
     forest = harts.build_forest(trajs)
     args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 8, requires_grad=True) for _ in range(3))
+    with shared_prefixes(prefixes):
+        plan = plan_tree_attention(**args)
+    assert bool(plan.prefixes) == (prefixes == "all" and max(map(len, trajs)) > 1)
+    if plan.prefixes:  # the root's one key runs apart from the one-key blocks a prefix reaches
+        assert plan.lone_unmerged() and len([g for g in plan.groups if g.lk == 1]) > len(plan.lone_unmerged())
     with fused_kernels(fused):
-        out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
-    first = forest.token_position == 0
+    first = torch.zeros(forest.num_tokens, dtype=torch.bool)  # one-token roots: their key is their path
+    first[forest.node_start[(forest.node_parent < 0) & (forest.node_length == 1)]] = True
     assert torch.equal(out[first], v[:, first].detach().transpose(0, 1))
     assert dq[:, first].abs().max() == 0
     alone = first & (plan_reference_mask(**args).sum(0) == 1)  # roots no other query sees

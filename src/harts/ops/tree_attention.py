@@ -58,7 +58,11 @@ give exactly the whole softmax's weights on its keys, so the gradients are the w
 attention in float32 and float64 only, and not where some prefix's values are one value for a
 key/value head ("Equal values" would then hold only to rounding): the op runs the plan's
 :meth:`~harts.plan.attention.TreeAttentionPlan.whole` form instead, as it does on other devices
-and in half precision. A sink joins each query's block, so the softmax counts it once.
+and in half precision. A sink joins each query's block, so the softmax counts it once. Blocks of
+one key that no prefix reaches (a one-token root: its key is its whole path) keep their groups and
+the exact "lone key" path (:meth:`~harts.plan.attention.TreeAttentionPlan.lone_unmerged`), so
+their output is the value and their query gradient zero by construction, not by the fused
+kernel's rounding.
 
 Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
 several times the token count). Saved are q, k, v as passed, the returned output and, per group
@@ -206,16 +210,21 @@ class _TreeAttention(torch.autograd.Function):
         hkv, _, dv = v.shape
         r = q.shape[0] // hkv
         outs, lses, shifts = [], [], []
-        for g, _, _, qg, kg, vg, padding, mask in _gathered_groups(q, k, v, plan, scaling, sinks):
+        # With shared prefixes every group runs the fused kernel (merging needs its logsumexp) but
+        # those of lone keys no prefix reaches: a query whose whole path is one key takes the exact
+        # path, whose logsumexp is that key's score, forward and backward.
+        lone = plan.lone_unmerged() if plan.prefixes else frozenset()
+        for i, (g, _, _, qg, kg, vg, padding, mask) in enumerate(
+                _gathered_groups(q, k, v, plan, scaling, sinks)):
             shift = None
-            # With shared prefixes every group runs the fused kernel: merging needs its logsumexp.
-            if plan.prefixes or (kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling)):
+            if i not in lone and (plan.prefixes or (kg.shape[2] > 1 and _fused(qg, kg, vg, mask, scaling))):
                 shift = _shift(vg, g, padding)  # vg is the group's own gathered copy: shifted in place
                 vg = vg if shift is None else vg.sub_(shift)
                 out, lse = _flash_forward(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scaling)
                 out = out if shift is None else out.add_(shift)
             else:
-                out, lse = _attend_group(g, qg, kg, vg, mask, scaling, padding), None
+                out = _attend_group(g, qg, kg, vg, mask, scaling, padding)
+                lse = (qg * kg).sum(-1) * scaling if plan.prefixes else None
             outs.append(out[..., :dv].reshape(hkv, -1, dv))
             lses.append(lse)
             shifts.append(shift)
@@ -230,7 +239,8 @@ class _TreeAttention(torch.autograd.Function):
             lse = lse_all.reshape(-1)[out_rows]  # [n, H]
             _merge_prefixes(q, k, v, plan, scaling, output, lse)
             lse_all.view(-1)[out_rows] = lse
-            lses = list(lse_all.split([x[0].numel() for x in lses], dim=1))
+            lses = [None if i in lone else x  # the exact backward for those lone keys too
+                    for i, x in enumerate(lse_all.split([x[0].numel() for x in lses], dim=1))]
         fused = any(x is not None for x in lses)
         # The output is saved only for the fused backward (which reads it in sum(dO * O)); callers
         # usually keep it anyway (the next op saves it), so it costs no extra memory there.

@@ -130,6 +130,21 @@ class TreeAttentionPlan:
                                      budget, window, split=False)
         return self._cache[key]
 
+    def lone_unmerged(self) -> frozenset[int]:
+        """The groups whose blocks have one key each and whose queries no shared prefix reaches:
+        queries whose whole path is that key (a root's first token, with no context). Cached."""
+        if "lone_unmerged" not in self._cache:
+            reached = torch.zeros(self.num_queries + 1, dtype=torch.long)  # +1 at q0, -1 at q1
+            for p in self.prefixes:
+                reached[p.q0] += 1
+                reached[p.q1] -= 1
+            reached = reached.cumsum(0)[:-1] > 0
+            parts = self.query_index.cpu().split([g.size * g.lq for g in self.groups])
+            self._cache["lone_unmerged"] = frozenset(
+                i for i, (g, rows) in enumerate(zip(self.groups, parts, strict=True))
+                if g.lk == 1 and not reached[rows].any())
+        return self._cache["lone_unmerged"]
+
     def mask(self, lq: int, lk: int, r: int, dtype: torch.dtype) -> torch.Tensor | None:
         """[1, 1, r * Lq, Lk] additive bottom-right causal mask (a band of the plan's window), cached
         so layers share one tensor."""
@@ -306,22 +321,26 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
               for m in range(qs.size) for s, b in _query_blocks(anc[m].size, int(ln[m]), budget, window)]
     lq = np.array([b for _, _, b, _ in blocks], dtype=np.int64)
     lk = np.array([anc[m].size + s + b - k0 for m, s, b, k0 in blocks], dtype=np.int64)
+    # Queries with one key get groups of their own (tree_attention runs them exactly), apart from
+    # those that shared prefixes also reach (their partial results merge): kind 0, 1 and 2.
+    reached = np.array([anc[m].size < full[m].size for m, _, _, _ in blocks], dtype=bool)
+    kind = np.where(lk == 1, np.where(reached, 2, 1), 0)
     # Similar shapes next to each other: query-size class (powers of two), then keys descending.
-    order = np.lexsort((-lq, -lk, -np.ceil(np.log2(np.maximum(lq, 1)))))
+    order = np.lexsort((kind, -lq, -lk, -np.ceil(np.log2(np.maximum(lq, 1)))))
     # Greedy: a block joins the open group while the padding it adds, and the group's padding in
     # all, stay within a fraction of the work plus a fixed allowance (about one call's overhead).
     # Large blocks thus get calls of their own, which costs little.
     spans, start, g_lq, g_lk, g_exact = [], 0, 0, 0, 0
+    g_kind = kind[order[0]] if order.size else 0
     for pos, j in enumerate(order):
         size, n_lq, n_lk, e = pos - start, max(g_lq, lq[j]), max(g_lk, lk[j]), lq[j] * lk[j]
         padded = (size + 1) * n_lq * n_lk
         added = padded - size * g_lq * g_lk - e > _CALL_ALLOWANCE + _PAD_SLACK * e
         total = padded - g_exact - e > _CALL_ALLOWANCE + _PAD_SLACK * (g_exact + e)
         over = (size + 1) * max(n_lq, _MIN_BUDGET_ROWS) * n_lk > budget
-        lone = (lk[j] == 1) != (g_lk == 1)  # queries with one key get groups of their own (tree_attention)
-        if size and (over or added or total or lone):
+        if size and (over or added or total or kind[j] != g_kind):
             spans.append((start, pos, g_lq, g_lk))
-            start, n_lq, n_lk, g_exact = pos, lq[j], lk[j], 0
+            start, n_lq, n_lk, g_exact, g_kind = pos, lq[j], lk[j], 0, kind[j]
         g_lq, g_lk, g_exact = n_lq, n_lk, g_exact + e
     if order.size:
         spans.append((start, order.size, g_lq, g_lk))
