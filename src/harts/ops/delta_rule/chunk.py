@@ -43,15 +43,15 @@ def delta_rule_chunks(x: ChunkedInputs, scan, initial: torch.Tensor):
     G = chunk_prefix_sum(g)  # sum_{s<=t} g_s from the chunk start
     # Within a chunk, u_t = beta_t (v_t - k_t^T S_{t-1}') solves (I + diag(beta) A) U = beta (V - (K*e^G) S0)
     # (UT transform, Yang et al. 2024); solve once for both right-hand sides.
-    rhs = torch.cat([v * beta, k * torch.exp(G) * beta], -1)
+    decay = torch.exp(G)  # formed once for its three readers
+    rhs = torch.cat([v * beta, k * decay * beta], -1)
     X = torch.linalg.solve_triangular(beta * A, rhs, upper=False, unitriangular=True)
     W, Kc = X[..., :V], X[..., V:]  # U = W - Kc @ S0
-    Qg = q * torch.exp(G)
+    Qg = q * decay
     Kd = k * torch.exp(exclusive_suffix_sum(g, -2))  # k_j * exp(sum_{s>j} g_s): decay to chunk end
-    last = torch.exp(G[..., -1, :])  # [..., K]
     # S_next = diag(last) S0 + Kd^T U = (diag(last) - Kd^T Kc) S0 + Kd^T W
     Kd_t = Kd.transpose(-1, -2)
-    trans = torch.diag_embed(last) - Kd_t @ Kc  # [..., K, K]
+    trans = torch.diag_embed(decay[..., -1, :]) - Kd_t @ Kc  # [..., K, K]
     drive = Kd_t @ W  # [..., K, V]
     S0, S = scan(trans, drive, initial)
     U = W - Kc @ S0

@@ -42,9 +42,10 @@ def gated_linear_attention_chunks(x: ChunkedInputs, scan, initial: torch.Tensor)
     q, k, v, g = x.q, x.k, x.v, x.g
     P, _ = intra_chunk_scores(q, k, g)  # P[t, j] = q_t . (k_j * exp(sum_{j<s<=t} g_s)), j <= t
     G = chunk_prefix_sum(g)
-    Qg = q * torch.exp(G)
+    decay = torch.exp(G)
+    Qg = q * decay
     Kd = k * torch.exp(exclusive_suffix_sum(g, -2))  # decay from j to the chunk's end
-    trans = torch.exp(G[..., -1, :])  # [..., K]: the diagonal of the chunk's state map
+    trans = decay[..., -1, :]  # [..., K]: the diagonal of the chunk's state map
     drive = Kd.transpose(-1, -2) @ v  # [..., K, V]
     S0, S = scan(trans, drive, initial)
     return Qg @ S0 + P @ v, S0, S
