@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import harts
+from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
 from harts.runtime.backward import forest_backward, next_token_rows
 from harts.tiny import FAMILIES
@@ -298,6 +299,34 @@ def test_a_long_spine_is_cut_in_balanced_runs():
     heavier = plan_micro_batches(forest, 100, context_weight=0.5)
     assert heavier.num_micro_batches == 5
     assert all(p.num_tokens(heavier.forest) <= 5 for p in heavier.parts[3:])
+
+
+def test_convolution_context_is_the_reach_of_its_window():
+    """A part gathers, of its context, only the convolution inputs its window reaches: the last
+    window - 1 tokens above each root (here 3 rows of a 300-token context), and its predecessor
+    rows in [those rows ; own tokens] read the same tokens as the predecessors over the whole
+    context."""
+    forest = harts.build_forest([list(range(300)) + [1000 + i for i in range(5)], list(range(300)) + [7]])
+    plan = plan_micro_batches(forest, 100, context_weight=0.0)
+    checked = 0
+    for part in plan.parts:
+        lay = TreeLayout(plan.forest, "cpu", part)
+        e = lay.num_external
+        if not e:
+            continue
+        roots = len(lay.root_state_source)
+        for window in (2, 4):
+            pred = lay.predecessors(window)
+            rows = lay.conv_context_rows(window)
+            assert rows.tolist() == sorted(set(pred[(pred >= 0) & (pred < e)].tolist()))
+            assert rows.size <= (window - 1) * roots < e
+            space = torch.cat([torch.as_tensor(lay.conv_context_rows(4)), e + torch.arange(lay.num_tokens)])
+            mapped = lay.conv_predecessors(window, 4)
+            assert torch.equal(torch.where(mapped >= 0, space[mapped.clamp(min=0)], -1), pred)
+        with pytest.raises(AssertionError, match="window 5"):
+            lay.conv_predecessors(5, 4)
+        checked += 1
+    assert checked == plan.num_micro_batches - 1
 
 
 def test_context_weight_must_lie_in_unit_interval():

@@ -123,6 +123,7 @@ class TreeLayout:
         self.tokens = self.local.tokens.to(self.device)
         self.positions = self.local.token_position.to(self.device)
         self._predecessors: dict[int, torch.Tensor] = {}
+        self._conv: dict[tuple, object] = {}
         self.build_seconds += time.perf_counter() - start
 
     def _own_rows(self, global_ids: np.ndarray) -> np.ndarray:
@@ -221,6 +222,35 @@ class TreeLayout:
                 raise AssertionError("a convolution window reaches a token this part cannot see")
             self._predecessors[window] = torch.as_tensor(rows, device=self.device)
         return self._predecessors[window]
+
+    @property
+    def conv_windows(self) -> list[int]:
+        """The convolution windows asked of :meth:`predecessors` so far."""
+        return sorted(self._predecessors)
+
+    def conv_context_rows(self, window: int) -> np.ndarray:
+        """Ascending rows 0..E-1 of the context (external tokens) that convolutions of ``window`` read:
+        the last ``window - 1`` tokens of the paths above the part's roots, not the whole context."""
+        key = ("conv_context", window)
+        if key not in self._conv:
+            rows = self.predecessors(window).cpu().numpy()
+            self._conv[key] = np.unique(rows[(rows >= 0) & (rows < self.num_external)])
+        return self._conv[key]
+
+    def conv_predecessors(self, window: int, context_window: int) -> torch.Tensor:
+        """[n, window] rows of each token's path predecessors in [the context rows of
+        :meth:`conv_context_rows` (``context_window``) ; the part's own tokens] (-1 before the path
+        start): what a convolution reads when the hand-over gathered only those context rows."""
+        if window > context_window:
+            raise AssertionError(f"a convolution of window {window} over context rows for {context_window}")
+        key = ("conv_predecessors", window, context_window)
+        if key not in self._conv:
+            rows = self.predecessors(window).cpu().numpy()
+            context = self.conv_context_rows(context_window)
+            own = rows >= self.num_external
+            local = np.where(own, rows - self.num_external + context.size, np.searchsorted(context, rows))
+            self._conv[key] = torch.as_tensor(np.where(rows < 0, -1, local), device=self.device)
+        return self._conv[key]
 
     @cached_property
     @_timed

@@ -241,6 +241,7 @@ class StepParts:
         self.row_parts = [row_order[bounds[p] : bounds[p + 1]] for p in range(len(self.layouts))]
         self.num_layers = model.config.num_hidden_layers
         self.banks = HandoffBanks(self.layouts, forest.num_tokens)
+        self.conv_window: int | None = None  # the widest convolution a part has run (None: none yet)
         # the head's precision (fp32, fp64 for an fp64 model): the loss of a cut tree reads these
         dtype = readout.dtype
         self.logp = torch.empty(predictor.numel(), device=self.device, dtype=dtype)
@@ -267,7 +268,7 @@ class StepParts:
         self.forwards += 1
         if not first:
             self.recomputed.append(p)
-        ext = self.clock.timed("handoff", self.banks.gather, p, self.num_layers)
+        ext = self.clock.timed("handoff", self.banks.gather, p, self.num_layers, self.conv_window)
         leaves: list[tuple[int, str, int | None, Tensor]] = []
         if grad and ext is not None:
             for layer, h in enumerate(ext):
@@ -293,6 +294,8 @@ class StepParts:
             if rows.size:
                 local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
                 lp, en = self.readout(hidden, local, self.target[rows].to(self.device), self.run.chunk_rows)
+        if lay.conv_windows:  # the model's convolutions, seen once: later parts gather only their reach
+            self.conv_window = max(self.conv_window or 0, *lay.conv_windows)
         extra = self.observer.after_part(p, lay, first, grad)
         inputs = self.observer.term_inputs() if extra is not None and segments is not None else []
         part_run = _PartRun(exports, lp, en, leaves, extra, segments, inputs)

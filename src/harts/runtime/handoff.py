@@ -33,20 +33,24 @@ class LayerHandoff:
 
     - ``key`` / ``value`` [Hkv, X, d]: attention keys (after RoPE and norms) and values of tokens;
     - ``conv_input`` [X, C]: short-convolution inputs of tokens;
-    - ``states``: {global node: final linear-attention state [H, K, V]}.
+    - ``states``: {global node: final linear-attention state [H, K, V]};
+    - ``conv_window``: on a reader's side, the convolution window whose context rows
+      ``conv_input`` holds (:meth:`~harts.plan.layout.TreeLayout.conv_context_rows`), or None
+      when it holds every context row.
     """
 
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
     conv_input: torch.Tensor | None = None
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    conv_window: int | None = None
 
     def detached(self) -> LayerHandoff:
         """The same hand-over without its graph (the tensors share storage): what readers take from
         a part whose graph is held, so that dropping the graph frees it."""
         d = lambda t: None if t is None else t.detach()  # noqa: E731
         states = {n: t.detach() for n, t in self.states.items()}
-        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states)
+        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states, self.conv_window)
 
 
 class MixerContext:
@@ -115,9 +119,13 @@ class MixerContext:
             if self.recording:
                 self.exports[self.layer].conv_input = exported
         ext = self._ext()
+        window = weight.shape[-1]
+        predecessors = self.layout.predecessors(window)
         if ext is not None and ext.conv_input is not None:
             mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
-        return tree_short_conv(mixed, weight, self.layout.predecessors(weight.shape[-1]), bias)
+            if ext.conv_window is not None:  # only the context rows convolutions reach
+                predecessors = self.layout.conv_predecessors(window, ext.conv_window)
+        return tree_short_conv(mixed, weight, predecessors, bias)
 
     def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
         """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
@@ -165,8 +173,9 @@ class HandoffBanks:
         self.exports: list[list[LayerHandoff] | None] = [None] * len(layouts)
         self.grads: list[dict[tuple[int, str, int | None], torch.Tensor]] = [{} for _ in layouts]
         self._sources: dict[
-            int, tuple[list[tuple[int, torch.Tensor, torch.Tensor]], torch.Tensor | None]
+            int | tuple[int, int], tuple[list[tuple[int, torch.Tensor, torch.Tensor]], torch.Tensor | None]
         ] = {}
+        self._conv_window: dict[int, int | None] = {}  # per reader: the window its last gather took
 
     def put(self, part: int, exports: list[LayerHandoff]) -> None:
         self.exports[part] = exports
@@ -175,12 +184,18 @@ class HandoffBanks:
         """Drop a part's exports once every part that reads them is done."""
         self.exports[part] = None
 
-    def sources(self, part: int):
+    def sources(self, part: int, conv_window: int | None = None):
         """For the reader ``part``: ([(producer, positions in the reader's rows, rows in the producer)],
-        the permutation from producer order back to the reader's order, or None when already in order)."""
-        if part not in self._sources:
+        the permutation from producer order back to the reader's order, or None when already in order).
+        The reader's rows are its context rows, or with ``conv_window`` those that convolutions of
+        that window read (:meth:`~harts.plan.layout.TreeLayout.conv_context_rows`)."""
+        key = part if conv_window is None else (part, conv_window)
+        if key not in self._sources:
             lay = self.layouts[part]
-            rows = self.export_row[lay.external_tokens]
+            tokens = lay.external_tokens
+            if conv_window is not None:
+                tokens = tokens[lay.conv_context_rows(conv_window)]
+            rows = self.export_row[tokens]
             if rows.size and rows.min() < 0:
                 raise AssertionError("a part reads a token no earlier part exports")
             producer = np.searchsorted(self.offsets, rows, side="right") - 1
@@ -198,8 +213,8 @@ class HandoffBanks:
                 )
             identity = bool((order == np.arange(order.size)).all())
             inverse = None if identity else torch.as_tensor(np.argsort(order), device=device)
-            self._sources[part] = (groups, inverse)
-        return self._sources[part]
+            self._sources[key] = (groups, inverse)
+        return self._sources[key]
 
     def producers(self, part: int) -> set[int]:
         """The earlier parts whose exports ``part`` reads (rows and states)."""
@@ -210,17 +225,26 @@ class HandoffBanks:
         states = {self.state_producer[n] for n in lay.root_state_source.values()}
         return {q for q, _, _ in groups} | states
 
-    def gather(self, part: int, num_layers: int) -> list[LayerHandoff] | None:
-        """What ``part`` reads from earlier parts, per layer (None for a part without context)."""
+    def gather(self, part: int, num_layers: int, conv_window: int | None = None) -> list[LayerHandoff] | None:
+        """What ``part`` reads from earlier parts, per layer (None for a part without context).
+
+        Keys and values are gathered for every context row; convolution inputs, with ``conv_window``
+        (the model's widest convolution, once a part has run it), only for the rows a convolution of
+        that window reaches (the last ``conv_window - 1`` tokens above each root), which on a long
+        context is a few rows instead of all of them, and so are their gradients sent back.
+        """
         lay = self.layouts[part]
         if not lay.root_state_source:
             return None
-        groups, inverse = self.sources(part)
+        self._conv_window[part] = conv_window
+        by_name = {"key": self.sources(part), "value": self.sources(part),
+                   "conv_input": self.sources(part, conv_window)}  # fmt: skip
         nodes = sorted(set(lay.root_state_source.values()))
         out = []
         for layer in range(num_layers):
             picked = {}
             for name, dim in (("key", 1), ("value", 1), ("conv_input", 0)):
+                groups, inverse = by_name[name]
                 pieces = [
                     getattr(self.exports[q][layer], name).index_select(dim, local)
                     for q, _, local in groups
@@ -233,7 +257,7 @@ class HandoffBanks:
                 picked[name] = joined.index_select(dim, inverse) if inverse is not None else joined
             held = ((n, self.exports[self.state_producer[n]][layer].states) for n in nodes)
             states = {n: by_node[n] for n, by_node in held if n in by_node}  # linear layers only
-            out.append(LayerHandoff(states=states, **picked))
+            out.append(LayerHandoff(states=states, conv_window=conv_window, **picked))
         return out
 
     def send_back(self, part: int, layer: int, name: str, node: int | None, grad: torch.Tensor) -> None:
@@ -244,7 +268,7 @@ class HandoffBanks:
             self.grads[q][key] = self.grads[q][key] + grad if key in self.grads[q] else grad
             return
         dim = 1 if name in ("key", "value") else 0
-        groups, _ = self.sources(part)
+        groups, _ = self.sources(part, self._conv_window.get(part) if name == "conv_input" else None)
         for q, sel, local in groups:
             key = (layer, name, None)
             if key not in self.grads[q]:
