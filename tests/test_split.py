@@ -20,7 +20,7 @@ import torch
 import harts
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
-from harts.runtime.backward import forest_backward, next_token_rows
+from harts.runtime.backward import _depth_first_walk, forest_backward, next_token_rows
 from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
@@ -370,6 +370,23 @@ def test_by_default_a_spine_within_one_budget_runs_forward_once():
         errors = grad_relative_errors(got_grads, ref_grads)
         worst = max(errors, key=errors.get)
         assert errors[worst] <= GRAD_RTOL, f"{worst}: relative error {errors[worst]:.3g}"
+
+
+def test_depth_first_walk_drops_the_oldest_and_knows_it_in_advance():
+    """A chain of three spine parts (0 -> 1 -> 2, each read by every later part) over a leaf part 3,
+    room for one held graph: each new spine part drops the one above it, so parts 0 and 1 run again
+    for their backward, in reverse order, and part 2's graph is the one kept. The walk reads sizes
+    and readers only: the step takes its drops before running anything, and runs a part whose graph
+    would be dropped without autograd the first time."""
+    producers = {0: set(), 1: {0}, 2: {0, 1}, 3: {0, 1, 2}}
+    events = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=100))
+    assert events == [("hold", 0), ("drop", 0), ("hold", 1), ("drop", 1), ("hold", 2), ("run", 3),
+                      ("backward", 3), ("backward", 2), ("again", 1), ("backward", 1), ("again", 0),
+                      ("backward", 0)]  # fmt: skip
+    roomy = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=300))
+    assert not any(kind in ("drop", "again") for kind, _ in roomy)
+    too_large = list(_depth_first_walk([0, 1, 2, 3], [100, 400, 100, 10], producers, cap=300))
+    assert ("pass", 1) in too_large and ("again", 1) in too_large and ("drop", 0) not in too_large
 
 
 def test_held_graphs_are_bounded_by_hold_tokens():

@@ -216,6 +216,44 @@ class _Clock:
             self.seconds[key] += time.perf_counter() - start
 
 
+def _depth_first_walk(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
+    """The decisions of :meth:`StepParts.depth_first`, from part sizes and readers alone, in order:
+    ("run", p) a part no later part reads (its backward follows); ("hold", p) / ("pass", p) a part
+    later parts read, its graph kept or not (larger than ``cap``); ("drop", p) a held graph dropped
+    to make room; ("again", p) a part whose graph is not held runs again for its backward; and
+    ("backward", p)."""
+    readers = {p: 0 for p in order}
+    for p in order:
+        for q in producers[p]:
+            readers[q] += 1
+    held: dict[int, int] = {}  # insertion order: the oldest first
+    held_tokens = 0
+    for p in order:
+        if readers[p]:
+            keep = sizes[p] <= cap
+            while keep and held and held_tokens + sizes[p] > cap:
+                oldest = next(iter(held))
+                held_tokens -= held.pop(oldest)
+                yield "drop", oldest
+            if keep:
+                held[p], held_tokens = sizes[p], held_tokens + sizes[p]
+            yield ("hold" if keep else "pass"), p
+            continue
+        yield "run", p
+        ready = [p]
+        while ready:
+            q = ready.pop()
+            yield "backward", q
+            for r in producers[q]:
+                readers[r] -= 1
+                if readers[r] == 0:
+                    if r in held:
+                        held_tokens -= held.pop(r)
+                    else:
+                        yield "again", r
+                    ready.append(r)
+
+
 class StepParts:
     """The parts of one step: their forwards, backwards, and the two orders they run in."""
 
@@ -401,44 +439,34 @@ class StepParts:
         parts above the running one, the chain of spine runs. When holding a part's graph would take
         the held tokens beyond ``run.hold_limit`` (``hold_tokens``, ``auto`` read as the budget), the
         oldest held graphs are dropped first (the parts above, which wait longest); a dropped part,
-        or one larger than the bound, runs again, with autograd, when its backward is due.
+        or one larger than the bound, runs again, with autograd, when its backward is due. The walk
+        depends on sizes and readers alone (:func:`_depth_first_walk`), so it is known before the
+        step: a part whose graph it would drop runs its first forward without autograd, never
+        building a graph that nothing reads.
         """
-        readers = {p: 0 for p in order}
         producers = {p: self.banks.producers(p) for p in order}
-        for p in order:
-            for q in producers[p]:
-                readers[q] += 1
-        cap = self.run.hold_limit
-        held: dict[int, _PartRun] = {}
-        held_tokens = 0
-        for p in order:
-            if not readers[p]:
-                ready = [(p, self.forward(p, grad=True, first=True))]
-            else:
-                keep = self.sizes[p] <= cap
-                while keep and held and held_tokens + self.sizes[p] > cap:
-                    dropped = next(iter(held))  # the oldest: its graph is freed, it runs again later
-                    held_tokens -= self.sizes[dropped]
-                    del held[dropped]
+        events = list(_depth_first_walk(order, self.sizes, producers, self.run.hold_limit))
+        dropped = {p for kind, p in events if kind == "drop"}
+        graphs: dict[int, _PartRun] = {}  # held, just run, or run again for its backward
+        for kind, p in events:
+            if kind == "run":
+                graphs[p] = self.forward(p, grad=True, first=True)
+            elif kind in ("hold", "pass"):
+                keep = kind == "hold" and p not in dropped
                 part_run = self.forward(p, grad=keep, first=True)
                 self.banks.put(p, [h.detached() for h in part_run.exports])  # readers take no graph
                 if keep:
-                    held[p], held_tokens = part_run, held_tokens + self.sizes[p]
+                    graphs[p] = part_run
                 del part_run
-                continue
-            while ready:  # the part's backward, then those of parts whose last reader it was
-                q, part_run = ready.pop()
-                self.backward(q, part_run, self.own_loss_terms(q, part_run))
+            elif kind == "drop":
+                graphs.pop(p, None)  # its graph is freed (or was never built); it runs again later
+            elif kind == "again":
+                graphs[p] = self.forward(p, grad=True, first=False)
+            elif kind == "backward":  # the part's backward; those whose last reader it was follow
+                part_run = graphs.pop(p)
+                self.backward(p, part_run, self.own_loss_terms(p, part_run))
                 del part_run
-                self.banks.release(q)
-                for r in producers[q]:
-                    readers[r] -= 1
-                    if readers[r] == 0:
-                        if r in held:
-                            held_tokens -= self.sizes[r]
-                            ready.append((r, held.pop(r)))
-                        else:
-                            ready.append((r, self.forward(r, grad=True, first=False)))
+                self.banks.release(p)
 
     # ---- no loss: forward only ----------------------------------------------------------------------
     def forward_only(self) -> None:
