@@ -286,7 +286,13 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
         else:
             pieces.append([a, b, nodes])
     prefixes, split = [], np.zeros(int(edges[-1]) if edges.size else 0, dtype=bool)
-    node_blocks = [len(_query_blocks(x.size, int(length), budget)) for x, length in zip(anc, ln, strict=True)]
+    node_blocks: dict[int, int] = {}  # query blocks per node, counted once for the nodes that matter
+
+    def blocks(m: int) -> int:
+        if m not in node_blocks:
+            node_blocks[m] = len(_query_blocks(anc[m].size, int(ln[m]), budget))
+        return node_blocks[m]
+
     for a, b, nodes in pieces:
         if b - a < _MIN_PREFIX_KEYS:
             continue
@@ -296,7 +302,7 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
                 spans[-1][1] = q1
             else:
                 spans.append([q0, q1])
-        if (b - a) * sum(node_blocks[m] for m in nodes) < _MIN_PREFIX_SAVED:
+        if (b - a) * sum(blocks(m) for m in nodes) < _MIN_PREFIX_SAVED:
             continue
         split[a:b] = True
         prefixes.extend(SharedPrefix(a, b, q0, q1) for q0, q1 in spans)

@@ -120,11 +120,12 @@ class MixerContext:
                 self.exports[self.layer].conv_input = exported
         ext = self._ext()
         window = weight.shape[-1]
-        predecessors = self.layout.predecessors(window)
+        if ext is not None and ext.conv_window is not None:  # only the context rows convolutions reach
+            predecessors = self.layout.conv_predecessors(window, ext.conv_window)
+        else:
+            predecessors = self.layout.predecessors(window)
         if ext is not None and ext.conv_input is not None:
             mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
-            if ext.conv_window is not None:  # only the context rows convolutions reach
-                predecessors = self.layout.conv_predecessors(window, ext.conv_window)
         return tree_short_conv(mixed, weight, predecessors, bias)
 
     def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
