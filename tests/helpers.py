@@ -386,6 +386,21 @@ def shared_prefixes(kind: str):
         PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED = old
 
 
+_DENSE_DEFAULT = PLAN_ATTENTION._DENSE_CALL_WORK
+
+
+@contextlib.contextmanager
+def dense_plans(kind: str):
+    """Tree-attention plans marked dense where the defaults choose it ("default"), wherever the
+    dense mask fits ("on"), or never ("off": the groups' own machinery)."""
+    old = PLAN_ATTENTION._DENSE_CALL_WORK
+    PLAN_ATTENTION._DENSE_CALL_WORK = {"default": _DENSE_DEFAULT, "on": 1 << 62, "off": -(1 << 62)}[kind]
+    try:
+        yield
+    finally:
+        PLAN_ATTENTION._DENSE_CALL_WORK = old
+
+
 @contextlib.contextmanager
 def padding_by(kind: str | int):
     """Key padding removed by per-block masks within the default bound ("mask"), always by the

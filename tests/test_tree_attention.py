@@ -26,6 +26,7 @@ from harts.plan.attention import plan_reference_mask, plan_tree_attention
 from tests.helpers import (
     ATTENTION_FORESTS,
     ATTENTION_SCALE,
+    dense_plans,
     fused_kernels,
     padding_by,
     plan_args,
@@ -34,6 +35,7 @@ from tests.helpers import (
 )
 
 TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
+PLAN_ATTENTION = importlib.import_module("harts.plan.attention")
 ATOL_OUT = 1e-10
 ATOL_GRAD = 1e-10
 
@@ -47,8 +49,15 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _groups_unless_asked():
+    """Plans built here run their groups unless a test asks for dense plans (``dense=``)."""
+    with dense_plans("off"):
+        yield
+
+
 def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=torch.float64,
-           tol=(ATOL_OUT, ATOL_GRAD), fused=True, prefixes="default"):
+           tol=(ATOL_OUT, ATOL_GRAD), fused=True, prefixes="default", dense="off"):
     atol, atol_grad = tol
     torch.manual_seed(0)
     forest = harts.build_forest(trajectories)
@@ -61,7 +70,7 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     w = torch.randn(n, h, dv, dtype=dtype)
     with shared_prefixes(prefixes):
         plan = plan_tree_attention(**args, max_group_tokens=budget)
-    with fused_kernels(fused):
+    with fused_kernels(fused), dense_plans(dense):
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         grads = torch.autograd.grad((out * w).sum(), (q, k, v))
 
@@ -94,9 +103,12 @@ def _check(trajectories, cut=0, heads=(4, 2), dk=8, dv=5, budget=None, dtype=tor
     return plan
 
 
+@pytest.mark.parametrize("dense", ["off", "on"])
 @pytest.mark.parametrize("name", list(ATTENTION_FORESTS))
-def test_tree_attention_matches_references(name):
-    _check(ATTENTION_FORESTS[name])
+def test_tree_attention_matches_references(name, dense):
+    plan = _check(ATTENTION_FORESTS[name], dense=dense)
+    with dense_plans(dense):
+        assert plan.dense_for(4, 8) == (dense == "on")
 
 
 @pytest.mark.parametrize("name", ["star-P40-G6", "deep-binary-D5-S3", "long-P700-G3"])
@@ -107,20 +119,24 @@ def test_tree_attention_small_group_budget(name):
 
 @pytest.mark.parametrize("name,cut", [("star-P40-G6", 1), ("deep-binary-D5-S3", 3), ("roots-R4", 2),
                                       ("long-P700-G3", 1)])
-def test_tree_attention_external_keys(name, cut):
-    _check(ATTENTION_FORESTS[name], cut=cut)
+@pytest.mark.parametrize("dense", ["off", "on"])
+def test_tree_attention_external_keys(name, cut, dense):
+    _check(ATTENTION_FORESTS[name], cut=cut, dense=dense)
 
 
 @pytest.mark.parametrize("heads,dk,dv", [((4, 4), 8, 8), ((4, 1), 6, 10), ((6, 2), 8, 3)],
                          ids=["H4-Hkv4-K8-V8", "H4-Hkv1-K6-V10", "H6-Hkv2-K8-V3"])
-def test_tree_attention_heads_and_widths(heads, dk, dv):
-    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=heads, dk=dk, dv=dv)
+@pytest.mark.parametrize("dense", ["off", "on"])
+def test_tree_attention_heads_and_widths(heads, dk, dv, dense):
+    _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=heads, dk=dk, dv=dv, dense=dense)
 
 
-def test_tree_attention_float32_flash_path():
-    """Dk == Dv in float32 takes CPU flash attention, where the padding channel must still be exact."""
+@pytest.mark.parametrize("dense", ["off", "on"])
+def test_tree_attention_float32_flash_path(dense):
+    """Dk == Dv in float32 takes CPU flash attention, where the padding channel (or the dense mask's
+    hidden keys) must still be exact."""
     _check(ATTENTION_FORESTS["long-P700-G3"], cut=1, heads=(4, 2), dk=16, dv=16, dtype=torch.float32,
-           tol=(2e-5, 2e-5))
+           tol=(2e-5, 2e-5), dense=dense)
 
 
 def test_plan_cost_is_near_exact():
@@ -135,7 +151,7 @@ def test_plan_cost_is_near_exact():
     assert plan.padded_cost <= 1.5 * plan.exact_cost
 
 
-@pytest.mark.parametrize("prefixes", ["off", "all"])
+@pytest.mark.parametrize("prefixes", ["off", "all", "dense"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
 @pytest.mark.parametrize("trajs", [[[3]], [[7], [7], [8], [7, 9]], ATTENTION_FORESTS["one-token-leaves-R2"]],
                          ids=["lone-token", "one-token-trajs", "one-token-leaves"])
@@ -143,16 +159,18 @@ def test_lone_key_gives_exactly_zero_query_gradient(trajs, fused, prefixes):
     """A query with a single key (a one-token root) returns that value; in exact arithmetic its query
     gradient is zero, and so is the key gradient of a token no other token sees. With shared
     prefixes too: those blocks run apart from the one-key blocks a prefix reaches, on the exact
-    path, whatever the fused kernels' rounding."""
+    path, whatever the fused kernels' rounding; in a dense plan, their rows' gradients bypass the
+    kernel."""
     forest = harts.build_forest(trajs)
     args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 8, requires_grad=True) for _ in range(3))
-    with shared_prefixes(prefixes):
+    with shared_prefixes("off" if prefixes == "dense" else prefixes):
         plan = plan_tree_attention(**args)
     assert bool(plan.prefixes) == (prefixes == "all" and max(map(len, trajs)) > 1)
     if plan.prefixes:  # the root's one key runs apart from the one-key blocks a prefix reaches
         assert plan.lone_unmerged() and len([g for g in plan.groups if g.lk == 1]) > len(plan.lone_unmerged())
-    with fused_kernels(fused):
+    with fused_kernels(fused), dense_plans("on" if prefixes == "dense" else "off"):
+        assert plan.dense_for(2, 8) == (prefixes == "dense")
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
     first = torch.zeros(forest.num_tokens, dtype=torch.bool)  # one-token roots: their key is their path
@@ -178,10 +196,12 @@ def test_plan_rejects_uncovered_queries():
     budget=st.sampled_from([None, 64, 600]),
     fused=st.booleans(),
     prefixes=st.sampled_from(["off", "all"]),
+    dense=st.sampled_from(["off", "on"]),
 )
-def test_tree_attention_random_forests(trajs, cut_frac, budget, fused, prefixes):
+def test_tree_attention_random_forests(trajs, cut_frac, budget, fused, prefixes, dense):
     forest = harts.build_forest(trajs)
-    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget, fused=fused, prefixes=prefixes)
+    _check(trajs, cut=int(cut_frac * forest.num_nodes), budget=budget, fused=fused, prefixes=prefixes,
+           dense=dense)
 
 
 # ---- backward: both paths, and what it saves ---------------------------------------------------
@@ -294,16 +314,19 @@ def test_double_backward_is_refused():
         dq.sum().backward()
 
 
+@pytest.mark.parametrize("dense", ["off", "on"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "recompute"])
-def test_lone_key_propagates_nan(fused):
+def test_lone_key_propagates_nan(fused, dense):
     """As SDPA would: a NaN query of a lone-key token makes its output NaN, the rest stay finite."""
     forest = harts.build_forest([[7], [8, 9]])
     args, _ = plan_args(forest, 0)
     q, k, v = (torch.randn(2, forest.num_tokens, 4) for _ in range(3))
     q[:, 0] = float("nan")
     q.requires_grad_()
-    with fused_kernels(fused):
-        out = tree_attention(q, k, v, plan_tree_attention(**args), ATTENTION_SCALE)
+    plan = plan_tree_attention(**args)
+    with fused_kernels(fused), dense_plans(dense):
+        assert plan.dense_for(2, 4) == (dense == "on")
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
         (dq,) = torch.autograd.grad(out.sum(), (q,))
     assert out[0].isnan().all() and not out[1:].isnan().any()
     assert not dq[:, 1:].isnan().any()
@@ -408,3 +431,113 @@ def test_one_valued_prefix_runs_whole_paths(fused):
         dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
     assert torch.equal(out, c.repeat_interleave(2, 0).transpose(0, 1).expand(n, 4, 8))
     assert not dq.any() and not dk.any()
+
+
+# ---- dense plans -------------------------------------------------------------------------------
+def _star(prompt: int, completions: list[int]) -> list[list[int]]:
+    return [token_run(1, prompt) + token_run(1000 + 100 * i, n) for i, n in enumerate(completions)]
+
+
+def test_default_dense_choice():
+    """The defaults mark a small star dense (one call beats its groups' fixed costs), not the same
+    trajectories without shared prefixes (8 separate paths: most of [n, n] would be hidden keys),
+    nor a forest whose [n, m] scores exceed the bound."""
+    trajs = _star(41, [5, 14, 12, 14, 14, 14, 8, 8])
+    tree = plan_tree_attention(**plan_args(harts.build_forest(trajs), 0)[0])
+    flat = plan_tree_attention(**plan_args(harts.build_forest(trajs, share_prefixes=False), 0)[0])
+    long = plan_tree_attention(**plan_args(harts.build_forest([token_run(1, 1500)]), 0)[0])
+    windowed = tree.windowed(16)
+    with dense_plans("default"):
+        assert tree.dense_for(4, 32) and not flat.dense_for(4, 32) and not long.dense_for(4, 32)
+        assert not windowed.dense_for(4, 32) and not tree.dense_for(64, 128)  # wide heads: scores cost more
+        # the 45,000 score elements per call at 4 x 32 that the estimate stands on
+        assert PLAN_ATTENTION._DENSE_CALL_WORK / (4 * 32) == 45_000
+
+
+def test_dense_mask_is_the_reference_mask():
+    forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
+    args, _ = plan_args(forest, 3)
+    plan = plan_tree_attention(**args)
+    mask = plan.dense_mask(2, torch.float32)[0, 0]
+    sees = plan_reference_mask(**args)
+    assert torch.equal(mask == 0, sees.repeat(2, 1))
+    assert (mask[~sees.repeat(2, 1)] == -torch.finfo(torch.float32).max / 4).all()
+
+
+@pytest.mark.parametrize("equal", ["all", "starts"])
+def test_dense_plan_runs_groups_where_values_repeat(equal, monkeypatch):
+    """Values equal at the first two tokens of a path: some query's visible values may be one value
+    c, which the groups return exactly (output c, zero query and key gradients; "Equal values"), so
+    the op runs them instead of the dense call; with every value one value, that exactness shows."""
+    forest = harts.build_forest(ATTENTION_FORESTS["star-P40-G6"])
+    args, _ = plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    n = forest.num_tokens
+    torch.manual_seed(0)
+    q, k = torch.randn(4, n, 8, requires_grad=True), torch.randn(2, n, 8, requires_grad=True)
+    c = torch.randn(2, 1, 8)
+    v = c.expand(2, n, 8).clone() if equal == "all" else torch.randn(2, n, 8)
+    with dense_plans("on"):
+        assert plan.dense_for(4, 8)
+    assert TA._dense_applies(q, v, plan) == (equal == "starts")  # random values: the dense call
+    v[:, 1] = v[:, 0]  # the shared prompt's first two tokens
+    assert not TA._dense_applies(q, v, plan)
+    v.requires_grad_()
+    dense_calls = []
+    monkeypatch.setattr(TA._DenseTreeAttention, "apply", lambda *a: dense_calls.append(1))
+    with dense_plans("on"):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
+    dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
+    assert not dense_calls
+    if equal == "all":
+        assert torch.equal(out, c.repeat_interleave(2, 0).transpose(0, 1).expand(n, 4, 8))
+        assert not dq.any() and not dk.any()
+
+
+def test_dense_plan_keeps_a_nan_in_its_trajectory():
+    """A NaN key reaches, through a dense call's hidden scores, every query; the op then returns the
+    groups' result, where it stays in the rows of the trajectory that holds it (all of them, as in
+    a causal kernel's masked scores)."""
+    trajs = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9]]
+    forest = harts.build_forest(trajs)
+    args, _ = plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    q, k, v = (torch.randn(2, forest.num_tokens, 4) for _ in range(3))
+    nan_row = int(forest.trajectory_token_indices(2)[1])
+    k[:, nan_row] = float("nan")
+    with dense_plans("on"):
+        assert plan.dense_for(2, 4)
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
+    third = forest.trajectory_token_indices(2)
+    assert out[third].isnan().all()
+    others = torch.ones(forest.num_tokens, dtype=torch.bool)
+    others[third] = False
+    assert out[others].isfinite().all()
+
+
+def test_dense_backward_saves_inputs_output_and_logsumexp():
+    forest = harts.build_forest(ATTENTION_FORESTS["deep-binary-D5-S3"])
+    args, _ = plan_args(forest, 0)
+    plan = plan_tree_attention(**args)
+    n, m = args["num_queries"], args["num_keys"]
+    q = torch.randn(4, n, 8, requires_grad=True)
+    k, v = (torch.randn(2, m, d, requires_grad=True) for d in (8, 6))
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dense_plans("on"):
+        out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
+    assert out.grad_fn.name() == "_DenseTreeAttentionBackward"
+    inputs = sum(x.numel() * x.element_size() for x in (q, k, v))
+    assert sum(saved.values()) <= inputs + out.numel() * out.element_size() + 4 * n * 4
+    assert saved.keys() >= {x.untyped_storage().data_ptr() for x in (q, k, v, out)}
+
+
+@pytest.mark.parametrize("heads,dk,dv", [((2, 2), 8, 8), ((4, 4), 40, 32)], ids=["H2-K8-V8", "H4-K40-V32"])
+def test_dense_one_query(heads, dk, dv):
+    """A one-token forest: the output's gradient rows already lie in the dense call's layout (so they
+    must not be overwritten), and all of it goes to the one value."""
+    _check([[3]], heads=heads, dk=dk, dv=dv, dense="on")

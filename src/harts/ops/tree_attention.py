@@ -64,6 +64,20 @@ the exact "lone key" path (:meth:`~harts.plan.attention.TreeAttentionPlan.lone_u
 their output is the value and their query gradient zero by construction, not by the fused
 kernel's rounding.
 
+Dense plans: where the plan says one call over all [n, m] scores costs less than its groups
+(:meth:`~harts.plan.attention.TreeAttentionPlan.dense_for`: small micro-batches, whose groups' fixed
+costs outweigh the scores they skip), CPU flash attention in float32 or float64 runs once over q, k
+and v in place with the plan's additive mask (0 on each query's path, -finfo.max / 4 elsewhere: a
+finite score, so a kernel block in which a row sees no key yields no NaN, and its weight is exactly
+zero beside the row's real scores). The hidden scores still read every key and value, so the
+result is refused, and the groups run, when the output is not finite (a NaN would otherwise reach
+queries whose paths do not hold it). Two cases keep the groups' exactness: a query whose path is
+one key (a root's first token) has weight exactly 1 on it, and backward passes its output gradient
+to that value and none to the query or key, as the lone-key path does; and where the first two
+values of some path are equal, a query whose visible values are all one value may exist, so the
+groups run ("Equal values" below needs per-block shifts). Saved: q, k, v, the output and the
+logsumexp [Hkv, r * n].
+
 Backward: the gathered rows are not saved (on forests of short nodes the gathered key rows are
 several times the token count). Saved are q, k, v as passed, the returned output and, per group
 run by CPU flash attention, its logsumexp ([Hkv, G, r * Lq] floats) and, where some block's values
@@ -180,6 +194,10 @@ def tree_attention(
         raise ValueError(f"sinks must be [H] = [{h}] on {q.device}, "
                          f"got {tuple(sinks.shape)} on {sinks.device}")
     plan = plan.windowed(window)
+    if sinks is None and plan.dense_for(h, max(dk, dv)) and _dense_applies(q, v, plan):
+        out = _DenseTreeAttention.apply(q, k, v, plan, scaling)
+        if bool(out.isfinite().all()):  # else the groups' result: a NaN stays in the rows it reaches
+            return out
     if plan.prefixes and not _prefixes_apply(q, v, plan):
         plan = plan.whole()
     return _TreeAttention.apply(q, k, v, sinks, plan, scaling)
@@ -311,6 +329,76 @@ class _TreeAttention(torch.autograd.Function):
         d_sinks = (sink_grad / scaling).reshape(h).to(sinks.dtype) if need_s else None
         return (dq_all.view(h, n, dk) if need_q else None, dk_all[:, :m].to(k.dtype) if need_k else None,
                 dv_all[:, :m].to(v.dtype) if need_v else None, d_sinks, None, None)
+
+
+def _dense_applies(q: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan) -> bool:
+    """Whether ``plan``'s dense form can run here (module docstring, Dense plans): CPU flash kernels in
+    float32 or float64, and no path whose first two values are equal for some key/value head (a
+    query whose visible values are all one value then exists, and the groups keep it exact)."""
+    if not (_FUSED_CPU and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)):
+        return False
+    first, second = plan.path_starts()
+    if first.numel():
+        a, b = v.detach()[:, first], v.detach()[:, second]
+        if bool((a[..., 0] == b[..., 0]).any()) and bool((a == b).all(-1).any()):
+            return False
+    return True
+
+
+def _dense_inputs(q, k, v):
+    """q [1, Hkv, r * n, dp], k and v [1, Hkv, m, dp]: a dense call's inputs at the common width."""
+    h, n, dk = q.shape
+    hkv, _, dv = v.shape
+    dp = max(dk, dv)
+    return (_widen(q.reshape(hkv, (h // hkv) * n, dk), dp)[None], _widen(k, dp)[None], _widen(v, dp)[None])
+
+
+def _heads_first(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[n, H, d] -> [Hkv, r, n, d] contiguous: the rows of a dense call (x itself where its layout
+    already is, as with one query)."""
+    n, h, d = x.shape
+    return x.reshape(n, hkv, h // hkv, d).permute(1, 2, 0, 3).contiguous()
+
+
+class _DenseTreeAttention(torch.autograd.Function):
+    """:func:`tree_attention` as one CPU flash call over all queries and keys with the plan's dense
+    mask (module docstring, Dense plans). Saves q, k, v as passed, the output and the logsumexp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: TreeAttentionPlan, scaling: float):
+        h, n, _ = q.shape
+        hkv, _, dv = v.shape
+        mask = plan.dense_mask(h // hkv, q.dtype)
+        out, lse = _flash_forward(*_dense_inputs(q, k, v), 0.0, False, attn_mask=mask, scale=scaling)
+        output = out[0, ..., :dv].reshape(hkv, h // hkv, n, dv).permute(2, 0, 1, 3).reshape(n, h, dv)
+        output = output.contiguous()  # not a view of the kernel's wider rows: saved, and returned
+        ctx.save_for_backward(q, k, v, output, lse)
+        ctx.plan, ctx.scaling = plan, scaling
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, output, lse = ctx.saved_tensors
+        plan, scaling = ctx.plan, ctx.scaling
+        h, n, dk = q.shape
+        hkv, m, dv = v.shape
+        r = h // hkv
+        qx, kx, vx = _dense_inputs(q, k, v)
+        dp = qx.shape[-1]
+        # A query whose path is one key gets that value, weight exactly 1: no query or key gradient,
+        # and its output's gradient goes to the value whole (the groups' lone-key path, exactly).
+        lone_q, lone_k = plan.lone_queries()
+        rows = _heads_first(grad, hkv)  # may be grad itself (one query): never written in place
+        if lone_q.numel():
+            rows = rows.index_fill(2, lone_q, 0.0)
+        gq, gk, gv = _flash_backward(_widen(rows.view(1, hkv, r * n, dv), dp), qx, kx, vx,
+                                     _widen(_heads_first(output, hkv).view(1, hkv, r * n, dv), dp), lse, 0.0,
+                                     False, attn_mask=plan.dense_mask(r, q.dtype), scale=scaling)
+        d_v = gv[0, ..., :dv]
+        if lone_q.numel():
+            d_v = d_v.index_add(1, lone_k, grad[lone_q].reshape(-1, hkv, r, dv).sum(2).transpose(0, 1))
+        return gq[0, ..., :dk].reshape(h, n, dk), gk[0, ..., :dk], d_v, None, None
 
 
 def _prefixes_apply(q: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan) -> bool:
