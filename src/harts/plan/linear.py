@@ -279,17 +279,42 @@ def _chains(
     return chains, chain_call
 
 
-def _call_shapes(
+def _call_segments(
     chains: list[list[int]], chain_call: list[int], lengths: list[int]
-) -> list[tuple[int, int, int]]:
-    """(W, T, S) of each call of a chain assignment: what the cost model needs, without gathers."""
-    shapes: dict[int, list[int]] = {}
+) -> list[tuple[np.ndarray, int]]:
+    """(segment lengths, S) of each call of a chain assignment: what costing a call and its length
+    buckets needs, without building index tensors."""
+    calls: dict[int, tuple[list[int], list[int]]] = {}
     for nodes, c in zip(chains, chain_call, strict=True):
-        w_t_s = shapes.setdefault(c, [0, 0, 0])
-        w_t_s[0] += 1
-        w_t_s[1] = max(w_t_s[1], sum(lengths[v] for v in nodes))
-        w_t_s[2] = max(w_t_s[2], len(nodes) - 1)
-    return [tuple(shapes[c]) for c in sorted(shapes)]
+        seg, inner = calls.setdefault(c, ([], [0]))
+        seg.append(sum(lengths[v] for v in nodes))
+        inner[0] = max(inner[0], len(nodes) - 1)
+    return [(np.asarray(calls[c][0], dtype=np.int64), calls[c][1][0]) for c in sorted(calls)]
+
+
+def _unsplit_cost(calls: list[tuple[np.ndarray, int]], model: LinearCostModel) -> float:
+    """Cost of calls as they are: W segments padded to the longest, each at its best chunk."""
+    return sum(model.shape(seg.size, int(seg.max()), s) for seg, s in calls)
+
+
+def _length_buckets(lengths: np.ndarray, max_chunk: int) -> list[np.ndarray]:
+    """Indices of a call's segments per length bucket (ascending keys): powers of two up to
+    ``max_chunk``, then whole multiples of it."""
+    small = np.array([1 << max(0, int(x) - 1).bit_length() for x in lengths.tolist()], dtype=np.int64)
+    key = np.where(lengths <= max_chunk, small, max_chunk * -(-lengths // max_chunk))
+    return [np.flatnonzero(key == k) for k in np.unique(key)]
+
+
+def _bucketed(lengths: np.ndarray, s: int, model: LinearCostModel) -> tuple[float, list[np.ndarray] | None]:
+    """A call's cost after :func:`bucket_by_length`, and its buckets where splitting pays (else
+    None). A sub-call keeps the call's S boundary columns."""
+    whole = model.shape(lengths.size, int(lengths.max()), s)
+    buckets = _length_buckets(lengths, model.max_chunk)
+    if len(buckets) > 1:
+        split = sum(model.shape(b.size, int(lengths[b].max()), s) for b in buckets)
+        if split < whole:
+            return split, buckets
+    return whole, None
 
 
 def _chain_call(
@@ -366,24 +391,29 @@ def plan_linear(
     f, heavy = min_calls(forest)
     lengths = forest.node_length.tolist()
     roots = (forest.node_parent < 0).nonzero().squeeze(1).tolist()
-    # (plan, budget, call shapes); budget None with "chain" is the fewest-calls plan.
+    # Every candidate is costed from its calls' segment lengths alone; only the winner is built.
     one_node_chains = [[v] for v in range(forest.num_nodes)]
-    candidates = [(PlanMode.DEPTH, None, _call_shapes(one_node_chains, forest.node_depth.tolist(), lengths))]
+    depth_calls = _call_segments(one_node_chains, forest.node_depth.tolist(), lengths)
+    candidates = [(PlanMode.DEPTH, None, depth_calls)]  # budget None with CHAIN: the fewest calls
     for budget in [None, *range(max(f[r] for r in roots), forest.max_depth + 1)]:
-        candidates.append((PlanMode.CHAIN, budget, _call_shapes(*_chains(forest, f, heavy, budget), lengths)))
-    best, budget, _ = min(candidates, key=lambda c: (sum(model.shape(*s) for s in c[2]), len(c[2])))
-    unsplit = depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget)
-    chosen = finish(unsplit)
+        chains = _chains(forest, f, heavy, budget)
+        candidates.append((PlanMode.CHAIN, budget, _call_segments(*chains, lengths)))
+    best, budget, calls = min(candidates, key=lambda c: (_unsplit_cost(c[2], model), len(c[2])))
+
+    def finished(cs: list[tuple[np.ndarray, int]]) -> float:
+        return sum(_bucketed(seg, s, model)[0] for seg, s in cs) if bucket else _unsplit_cost(cs, model)
+
+    cost = finished(calls)
     if bucket and best is not PlanMode.DEPTH:
         # Splitting by length helps one-node segments most: the bucketed depth plan can win.
-        depth = finish(depth_wave_plan(forest))
-        if model.plan(depth) < model.plan(chosen):
-            chosen = depth
+        depth_cost = finished(depth_calls)
+        if depth_cost < cost:
+            best, cost = PlanMode.DEPTH, depth_cost
     if model.consider_chunk_tree:
         chunk, tree_cost = choose_chunk(forest, model)
-        if tree_cost < model.chunk_tree_margin * model.plan(chosen):
+        if tree_cost < model.chunk_tree_margin * cost:
             return chunk_tree_plan(forest, chunk)
-    return chosen
+    return finish(depth_wave_plan(forest) if best is PlanMode.DEPTH else chain_plan(forest, max_calls=budget))
 
 
 def _with_best_chunk(call: LinearCall, keep: torch.Tensor, model: LinearCostModel) -> LinearCall:
@@ -411,19 +441,9 @@ def bucket_by_length(plan: LinearPlan, cost_model: LinearCostModel | None = None
     """
     model = cost_model or LinearCostModel()
     calls = []
-    c = model.max_chunk
     for call in plan.calls:
-        w = call.token_index.shape[0]
-        whole = _with_best_chunk(call, torch.arange(w, device=call.lengths.device), model)
-        lengths = call.lengths.cpu()
-        small = torch.tensor([1 << max(0, int(x) - 1).bit_length() for x in lengths.tolist()])
-        key = torch.where(lengths <= c, small, c * (-(-lengths // c)))  # pow2 up to c, then whole chunks
-        buckets = [
-            _with_best_chunk(call, (key == k).nonzero().squeeze(1).to(call.lengths.device), model)
-            for k in torch.unique(key)
-        ]
-        if len(buckets) > 1 and sum(model.call(b) for b in buckets) < model.call(whole):
-            calls.extend(buckets)
-        else:
-            calls.append(whole)
+        lengths = call.lengths.cpu().numpy()
+        _, buckets = _bucketed(lengths, call.num_boundaries, model)
+        keeps = [torch.from_numpy(b) for b in buckets] if buckets else [torch.arange(lengths.size)]
+        calls.extend(_with_best_chunk(call, keep.to(call.lengths.device), model) for keep in keeps)
     return LinearPlan(calls, plan.num_tokens, plan.mode)
