@@ -247,6 +247,12 @@ class TreeAttentionPlan:
         return self._cache[key]
 
 
+def _host_ints(a) -> np.ndarray:
+    """A 1-D int64 host array of a tensor (any device) or an array."""
+    a = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    return a.astype(np.int64, copy=False).reshape(-1)
+
+
 def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys, num_queries, num_keys):
     """Host-side int64 copies of the node description, checked; raises on inconsistent input."""
     qs, ln, ks = (np.asarray(torch.as_tensor(x).detach().cpu(), dtype=np.int64).reshape(-1)
@@ -266,10 +272,13 @@ def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_ke
     np.add.at(cover, qs + ln, -1)
     if (np.cumsum(cover)[:num_queries] != 1).any():
         raise ValueError(f"nodes must cover each of the {num_queries} query rows exactly once")
-    anc = [np.asarray(torch.as_tensor(a).cpu(), dtype=np.int64).reshape(-1) for a in node_ancestor_keys]
-    bad = [i for i, a in enumerate(anc) if a.size and (a.min() < 0 or a.max() >= num_keys)]
-    if bad:
-        raise ValueError(f"node {bad[0]}: ancestor key rows must lie in [0, {num_keys})")
+    anc = [_host_ints(a) for a in node_ancestor_keys]
+    if anc:
+        rows = np.concatenate(anc)
+        bad = np.flatnonzero((rows < 0) | (rows >= num_keys))
+        if bad.size:
+            node = int(np.searchsorted(np.cumsum([a.size for a in anc]), bad[0], side="right"))
+            raise ValueError(f"node {node}: ancestor key rows must lie in [0, {num_keys})")
     return qs, ln, ks, anc
 
 
@@ -324,13 +333,19 @@ def plan_tree_attention(
     return _plan(qs, ln, ks, anc, num_queries, num_keys, torch.device(device or "cpu"), budget, window)
 
 
-def _key_runs(a: np.ndarray) -> np.ndarray:
-    """[R, 2]: the runs of consecutive key rows in ``a``, each as [first, last + 1)."""
-    if not a.size:
-        return np.zeros((0, 2), dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    first, last = np.concatenate([[0], breaks]), np.concatenate([breaks, [a.size]]) - 1
-    return np.stack([a[first], a[last] + 1], axis=1)
+def _key_runs(anc: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive key rows in every node's ancestor list, in node order: first row,
+    last row + 1, and node of each run (one pass over the concatenated lists)."""
+    sizes = np.fromiter((a.size for a in anc), dtype=np.int64, count=len(anc))
+    if not sizes.sum():
+        return (np.zeros(0, dtype=np.int64),) * 3
+    rows = np.concatenate(anc)
+    node = np.repeat(np.arange(len(anc)), sizes)
+    first = np.ones(rows.size, dtype=bool)  # a run starts at a node's first key or where rows jump
+    first[1:] = (np.diff(rows) != 1) | (node[1:] != node[:-1])
+    starts = np.flatnonzero(first)
+    lasts = np.append(starts[1:], rows.size) - 1
+    return rows[starts], rows[lasts] + 1, node[starts]
 
 
 def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list[np.ndarray]]:
@@ -343,21 +358,30 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
     saves, its keys times the query blocks reading it, reach :data:`_MIN_PREFIX_SAVED` (a call reads
     its keys in place, and its scores need no mask).
     """
-    runs = [_key_runs(a) for a in anc]
-    edges = np.unique(np.concatenate(runs)) if runs else np.zeros(0, dtype=np.int64)
-    readers: dict[tuple[int, int], list[int]] = {}
-    for m, node_runs in enumerate(runs):
-        for lo, hi in node_runs.tolist():
-            cut = edges[np.searchsorted(edges, lo): np.searchsorted(edges, hi) + 1].tolist()
-            for a, b in zip(cut[:-1], cut[1:], strict=False):
-                readers.setdefault((a, b), []).append(m)
-    pieces: list[list] = []
-    for (a, b), nodes in sorted(readers.items()):
+    lo, hi, run_node = _key_runs(anc)
+    if not lo.size:
+        return [], anc
+    edges = np.unique(np.concatenate([lo, hi]))
+    # Each run covers the edge intervals first .. last - 1; list (interval, node) for every cover.
+    first, last = np.searchsorted(edges, lo), np.searchsorted(edges, hi)
+    count = last - first
+    interval = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+    reader = np.repeat(run_node, count)
+    order = np.lexsort((reader, interval))  # by interval, readers ascending (a node covers it once)
+    interval, reader = interval[order].tolist(), reader[order].tolist()
+    pieces: list[list] = []  # [first key, last key + 1, readers], adjacent intervals of equal readers joined
+    i = 0
+    while i < len(interval):
+        j = i + 1
+        while j < len(interval) and interval[j] == interval[i]:
+            j += 1
+        a, b, nodes = int(edges[interval[i]]), int(edges[interval[i] + 1]), reader[i:j]
         if pieces and pieces[-1][1] == a and pieces[-1][2] == nodes:
             pieces[-1][1] = b
         else:
             pieces.append([a, b, nodes])
-    prefixes, split = [], np.zeros(int(edges[-1]) if edges.size else 0, dtype=bool)
+        i = j
+    prefixes, split = [], np.zeros(int(edges[-1]), dtype=bool)
     node_blocks: dict[int, int] = {}  # query blocks per node, counted once for the nodes that matter
 
     def blocks(m: int) -> int:

@@ -171,8 +171,9 @@ class TreeLayout:
 
     @cached_property
     @_timed
-    def node_ancestor_keys(self) -> list[torch.Tensor]:
-        """Per local node, the key rows of every token on its ancestor nodes, in path order."""
+    def node_ancestor_keys(self) -> list[np.ndarray]:
+        """Per local node, the key rows of every token on its ancestor nodes, in path order (host
+        arrays: only the attention planner reads them)."""
         f = self.local
         parent, start, length = f.node_parent.tolist(), f.node_start.tolist(), f.node_length.tolist()
         keys: list[np.ndarray] = []
@@ -185,7 +186,7 @@ class TreeLayout:
                 keys.append(self._external_path_keys(self.root_state_source[n]))
             else:
                 keys.append(np.empty(0, dtype=np.int64))
-        return [torch.as_tensor(k, dtype=torch.long) for k in keys]
+        return keys
 
     @cached_property
     @_timed
