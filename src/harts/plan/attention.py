@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from harts.forest import concat_ranges
+
 __all__ = ["AttentionGroup", "SharedPrefix", "TreeAttentionPlan", "plan_tree_attention",
            "plan_reference_mask"]
 
@@ -451,27 +453,11 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     # stay one contiguous index range per kind.
     spans.sort(key=lambda sp: bool((lk[order[sp[0]:sp[1]]] < sp[3]).any()))
 
-    n = num_queries
-    row_base, row_stride, row_offset = (np.zeros(n, dtype=np.int64) for _ in range(3))
-    groups, q_parts, k_parts, base, padded = [], [], [], 0, 0
-    for g0, g1, g_lq, g_lk in spans:
-        g_lq, g_lk, size = int(g_lq), int(g_lk), g1 - g0
-        q_index = np.zeros((size, g_lq), dtype=np.int64)
-        k_index = np.full((size, g_lk), num_keys, dtype=np.int64)
-        for slot, j in enumerate(order[g0:g1]):
-            m, s, b, k0 = blocks[j]
-            rows = qs[m] + s + np.arange(b)
-            q_index[slot, g_lq - b:] = rows
-            path = np.concatenate([anc[m], ks[m] + np.arange(s + b)])[k0:]
-            k_index[slot, g_lk - path.size:] = path
-            row_base[rows] = base + slot * g_lq
-            row_stride[rows] = g_lq
-            row_offset[rows] = g_lq - b + np.arange(b)
-        q_parts.append(q_index.reshape(-1))
-        k_parts.append(k_index.reshape(-1))
-        groups.append(AttentionGroup(size, g_lq, g_lk, bool((lk[order[g0:g1]] < g_lk).any())))
-        base += size * g_lq
-        padded += size * g_lq * g_lk
+    groups = [AttentionGroup(g1 - g0, int(g_lq), int(g_lk), bool((lk[order[g0:g1]] < g_lk).any()))
+              for g0, g1, g_lq, g_lk in spans]  # fmt: skip
+    q_all, k_all, row_base, row_stride, row_offset = _fill_groups(
+        spans, order, np.asarray(blocks, dtype=np.int64).reshape(-1, 4), qs, ks, anc, num_queries, num_keys)
+    padded = sum(g.size * g.lq * g.lk for g in groups)
     padded += sum((p.q1 - p.q0) * (p.k1 - p.k0) for p in prefixes)
     if window is None:  # a block's full path: its ancestors' keys, shared prefixes included
         lk_full = np.array([full[m].size + s + b for m, s, b, _ in blocks], dtype=np.int64)
@@ -480,10 +466,46 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
         first = np.array([anc[m].size + s for m, s, _, _ in blocks], dtype=np.int64) + 1
         ramp = np.clip(window - first, 0, lq)  # queries still below the window's full width
         exact = int((ramp * first + ramp * (ramp - 1) // 2 + (lq - ramp) * window).sum())
-    q_all, k_all = (np.concatenate(x) if x else np.zeros(0, dtype=np.int64) for x in (q_parts, k_parts))
     return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
                              for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded,
                              window, max_path, tuple(prefixes), ((qs, ln, ks, full), budget, not split))
+
+
+def _fill_groups(spans, order, blocks, qs, ks, anc, num_queries: int, num_keys: int):
+    """The groups' flat query and key index tensors and each query's row in them, for all blocks
+    at once. Group g is [size, lq] queries and [size, lk] keys, each block right-aligned in its
+    slot (query padding 0, key padding ``num_keys``); a block's keys are its path's columns from
+    k0: its ancestors' keys, then its own node's up to the block's end."""
+    g_size = np.array([g1 - g0 for g0, g1, _, _ in spans], dtype=np.int64)
+    g_lq = np.array([x for _, _, x, _ in spans], dtype=np.int64)
+    g_lk = np.array([x for _, _, _, x in spans], dtype=np.int64)
+    q_base, k_base = np.cumsum(g_size * g_lq) - g_size * g_lq, np.cumsum(g_size * g_lk) - g_size * g_lk
+    seq = np.concatenate([order[g0:g1] for g0, g1, _, _ in spans]) if spans else np.zeros(0, dtype=np.int64)
+    group = np.repeat(np.arange(len(spans)), g_size)
+    slot = np.arange(seq.size) - np.repeat(np.cumsum(g_size) - g_size, g_size)
+    m, s, b, k0 = (blocks[seq, i] for i in range(4))
+    lq, lk = g_lq[group], g_lk[group]
+    # queries: rows qs[m] + s + i, at slot * lq + lq - b + i of their group
+    i = concat_ranges(np.zeros_like(b), b)
+    rows = np.repeat(qs[m] + s, b) + i
+    q_all = np.zeros(int((g_size * g_lq).sum()), dtype=np.int64)
+    slot_row = q_base[group] + slot * lq
+    q_all[np.repeat(slot_row + lq - b, b) + i] = rows
+    row_base, row_stride, row_offset = (np.zeros(num_queries, dtype=np.int64) for _ in range(3))
+    row_base[rows], row_stride[rows], row_offset[rows] = np.repeat(slot_row, b), np.repeat(lq, b), \
+        np.repeat(lq - b, b) + i
+    # keys: path columns k0 .. a + s + b - 1 (a ancestors), at slot * lk + lk - width + t of their group
+    sizes = np.fromiter((x.size for x in anc), dtype=np.int64, count=len(anc))
+    a = sizes[m]
+    width = a + s + b - k0
+    t = concat_ranges(np.zeros_like(width), width)
+    col, a_t, m_t = np.repeat(k0, width) + t, np.repeat(a, width), np.repeat(m, width)
+    anc_all = np.concatenate([*anc, np.zeros(1, dtype=np.int64)])  # a spare entry keeps every index in range
+    from_anc = anc_all[np.minimum((np.cumsum(sizes) - sizes)[m_t] + col, anc_all.size - 1)]
+    keys = np.where(col < a_t, from_anc, ks[m_t] + col - a_t)
+    k_all = np.full(int((g_size * g_lk).sum()), num_keys, dtype=np.int64)
+    k_all[np.repeat(k_base[group] + slot * lk + lk - width, width) + t] = keys
+    return q_all, k_all, row_base, row_stride, row_offset
 
 
 def plan_reference_mask(
