@@ -189,6 +189,19 @@ def test_plan_rejects_uncovered_queries():
         plan_tree_attention(**args)
 
 
+@pytest.mark.parametrize("bad", [-1, "num_keys"])
+def test_plan_rejects_ancestor_keys_out_of_range(bad):
+    """An ancestor key row outside [0, num_keys) is refused, naming the first node that holds one,
+    whether the lists are tensors or host arrays."""
+    args, _ = plan_args(harts.build_forest(ATTENTION_FORESTS["star-P40-G6"]), 0)
+    anc = [a.clone() for a in args["node_ancestor_keys"]]
+    node = next(m for m, a in enumerate(anc) if m > 1 and a.numel())
+    anc[node][-1] = args["num_keys"] if bad == "num_keys" else bad
+    for lists in (anc, [a.numpy() for a in anc]):
+        with pytest.raises(ValueError, match=f"node {node}: ancestor key rows must lie in"):
+            plan_tree_attention(**{**args, "node_ancestor_keys": lists})
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     trajs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=8),
