@@ -492,8 +492,9 @@ def _fill_groups(spans, order, blocks, qs, ks, anc, num_queries: int, num_keys: 
     slot_row = q_base[group] + slot * lq
     q_all[np.repeat(slot_row + lq - b, b) + i] = rows
     row_base, row_stride, row_offset = (np.zeros(num_queries, dtype=np.int64) for _ in range(3))
-    row_base[rows], row_stride[rows], row_offset[rows] = np.repeat(slot_row, b), np.repeat(lq, b), \
-        np.repeat(lq - b, b) + i
+    row_base[rows] = np.repeat(slot_row, b)
+    row_stride[rows] = np.repeat(lq, b)
+    row_offset[rows] = np.repeat(lq - b, b) + i
     # keys: path columns k0 .. a + s + b - 1 (a ancestors), at slot * lk + lk - width + t of their group
     sizes = np.fromiter((x.size for x in anc), dtype=np.int64, count=len(anc))
     a = sizes[m]

@@ -284,12 +284,12 @@ def _call_segments(
 ) -> list[tuple[np.ndarray, int]]:
     """(segment lengths, S) of each call of a chain assignment: what costing a call and its length
     buckets needs, without building index tensors."""
-    calls: dict[int, tuple[list[int], list[int]]] = {}
+    segments: dict[int, list[int]] = {}
+    inner: dict[int, int] = {}  # the most inner node boundaries of any segment of the call
     for nodes, c in zip(chains, chain_call, strict=True):
-        seg, inner = calls.setdefault(c, ([], [0]))
-        seg.append(sum(lengths[v] for v in nodes))
-        inner[0] = max(inner[0], len(nodes) - 1)
-    return [(np.asarray(calls[c][0], dtype=np.int64), calls[c][1][0]) for c in sorted(calls)]
+        segments.setdefault(c, []).append(sum(lengths[v] for v in nodes))
+        inner[c] = max(inner.get(c, 0), len(nodes) - 1)
+    return [(np.asarray(segments[c], dtype=np.int64), inner[c]) for c in sorted(segments)]
 
 
 def _unsplit_cost(calls: list[tuple[np.ndarray, int]], model: LinearCostModel) -> float:
