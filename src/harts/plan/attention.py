@@ -257,8 +257,7 @@ def _host_ints(a) -> np.ndarray:
 
 def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys, num_queries, num_keys):
     """Host-side int64 copies of the node description, checked; raises on inconsistent input."""
-    qs, ln, ks = (np.asarray(torch.as_tensor(x).detach().cpu(), dtype=np.int64).reshape(-1)
-                  for x in (node_query_start, node_length, node_key_start))
+    qs, ln, ks = (_host_ints(x) for x in (node_query_start, node_length, node_key_start))
     if not (qs.shape == ln.shape == ks.shape):
         raise ValueError(f"node_query_start, node_length, node_key_start must have one shape [M], got "
                          f"{qs.shape}, {ln.shape}, {ks.shape}")
@@ -370,19 +369,15 @@ def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list
     interval = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
     reader = np.repeat(run_node, count)
     order = np.lexsort((reader, interval))  # by interval, readers ascending (a node covers it once)
-    interval, reader = interval[order].tolist(), reader[order].tolist()
+    interval, reader = interval[order], reader[order].tolist()
+    bounds = [0, *(np.flatnonzero(np.diff(interval)) + 1).tolist(), interval.size]  # one span per interval
     pieces: list[list] = []  # [first key, last key + 1, readers], adjacent intervals of equal readers joined
-    i = 0
-    while i < len(interval):
-        j = i + 1
-        while j < len(interval) and interval[j] == interval[i]:
-            j += 1
+    for i, j in zip(bounds[:-1], bounds[1:], strict=False):
         a, b, nodes = int(edges[interval[i]]), int(edges[interval[i] + 1]), reader[i:j]
         if pieces and pieces[-1][1] == a and pieces[-1][2] == nodes:
             pieces[-1][1] = b
         else:
             pieces.append([a, b, nodes])
-        i = j
     prefixes, split = [], np.zeros(int(edges[-1]), dtype=bool)
     node_blocks: dict[int, int] = {}  # query blocks per node, counted once for the nodes that matter
 
