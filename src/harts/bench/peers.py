@@ -61,10 +61,10 @@ def _full_attention_only(model: nn.Module) -> bool:
     return types_ is None or all(t == "full_attention" for t in types_)
 
 
-def _sum_logprobs(logits: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Sum of log p(ids[index[t+1]] | logits[index[t]]) along one trajectory's positions ``index``."""
-    logp = logits[index[:-1]].float().log_softmax(-1)
-    return logp.gather(-1, ids[index[1:], None]).sum()
+def _logprob_sum(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of log p(targets[i] | logits[rows[i]]): one log-softmax over the logits' rows, each once
+    however many trajectories read it (a shared prompt's rows once, as a user of the peer would)."""
+    return logits.float().log_softmax(-1)[rows, targets].sum()
 
 
 # ---- PrefixGrouper -------------------------------------------------------------------------------
@@ -109,6 +109,8 @@ def _prefix_grouper_step(model, trajectories, prompt_len) -> Callable[[], torch.
     for s in suffixes:  # each trajectory's positions in the grouped sequence
         index.append(torch.cat([torch.arange(p), torch.arange(start, start + len(s))]).to(device))
         start += len(s)
+    # every trajectory's (predicting row, target) pairs: the prompt's rows repeat once per trajectory
+    rows, targets = torch.cat([i[:-1] for i in index]), torch.cat([ids[i[1:]] for i in index])
     grouper = PrefixGrouper([[p] + [len(s) for s in suffixes]], device=device)
 
     def step() -> torch.Tensor:
@@ -117,7 +119,7 @@ def _prefix_grouper_step(model, trajectories, prompt_len) -> Callable[[], torch.
                 input_ids=ids[None], position_ids=positions[None], use_cache=False,
                 prefix_grouper=grouper, prefix_grouper_attn_func=_ATTN_NAME,
             ).logits[0]
-        loss = -torch.stack([_sum_logprobs(logits, ids, i) for i in index]).sum()
+        loss = -_logprob_sum(logits, rows, targets)
         loss.backward()
         return loss.detach()
 
@@ -156,13 +158,16 @@ def _flash_pref_step(model, trajectories) -> Callable[[], torch.Tensor]:
     ids = pad_sequence(rows, batch_first=True, padding_value=int(model.config.pad_token_id or 0))
     mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
 
-    index = [torch.arange(len(r), device=device) for r in rows]
+    width = ids.shape[1]
+    # each row's predicting positions in the flattened [G * L] batch, and their targets
+    flat_rows = torch.cat([b * width + torch.arange(len(r) - 1, device=device) for b, r in enumerate(rows)])
+    targets, taken = ids.view(-1)[flat_rows + 1], torch.arange(flat_rows.numel(), device=device)
 
     def step() -> torch.Tensor:
         share = shared_prefix(model, input_ids=ids, attention_mask=mask, group_size=len(rows))
         with _tuple_layers(model), share:
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            loss = -torch.stack([_sum_logprobs(logits[b], ids[b], i) for b, i in enumerate(index)]).sum()
+            loss = -_logprob_sum(logits.flatten(0, 1)[flat_rows], taken, targets)  # no padded rows
             loss.backward()  # inside the context, as flash-pref's trainers do
         return loss.detach()
 
