@@ -218,3 +218,23 @@ def test_ideal_share_compares_the_tree_with_the_fastest_flat_step():
         assert 1 < r["ideal"] <= r["redundancy"]  # attention makes the ideal lower than R, never higher
     # the star's flat forest (8480 tokens) fits 16384: at 4096 "4B" is the same step as "whole"
     assert rows[1]["flat_best"] in {"flat 4096", "flat whole"}
+
+
+def test_ideal_share_across_processes_takes_each_rows_median_and_range():
+    """Rows of three processes: per budget the median share and times, the share range, the flat
+    variant most processes found fastest; the budgets stay apart."""
+    from harts.bench.ideal_share import across_processes
+
+    def row(budget, tree, flat, variant):
+        return dict(shape="star", redundancy=5.0, budget=budget, tree_ms=tree, flat_best_ms=flat,
+                    flat_best=variant, speedup=flat / tree, ideal=5.0, share=flat / tree / 5.0)  # fmt: skip
+
+    runs = [[row(1024, 300, 1200, "flat whole"), row(4096, 200, 1200, "flat whole")],
+            [row(1024, 400, 1100, "flat 4096"), row(4096, 250, 1100, "flat 4096")],
+            [row(1024, 280, 1000, "flat 4096"), row(4096, 210, 1000, "flat 4096")]]  # fmt: skip
+    low, high = across_processes(runs)
+    assert (low["budget"], high["budget"]) == (1024, 4096) and low["processes"] == 3
+    assert low["tree_ms"] == 300 and low["flat_best_ms"] == 1100 and low["flat_best"] == "flat 4096"
+    shares = sorted(r[0]["share"] for r in runs)
+    assert (low["share_low"], low["share"], low["share_high"]) == tuple(shares)
+    assert high["share"] == sorted(r[1]["share"] for r in runs)[1]

@@ -19,7 +19,12 @@ The shapes (``harts.data.synthetic``, lengths in tokens):
 - ``deep``: a 60-token trunk, then a full ternary tree of depth 4 of 3-9-token segments.
 
     python -m harts.bench.ideal_share [--family bailing_hybrid] [--shapes ...] [--budgets 1024 4096]
-        [--repeats 3] [--threads 2] [--json PATH]
+        [--repeats 3] [--threads 2] [--processes 1] [--json PATH]
+
+``--processes P`` (> 1) measures each shape in P fresh processes, one after the other, and reports
+per row the median of the P shares (and of the times), with the lowest and highest share: a
+process can run a step at a steady 20-45% slower than the next on a shared machine, and slows the
+tree more than flat, so one process's share can read low by a quarter.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -101,13 +109,48 @@ def measure(
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | R | budget | tree ms | flat best ms (variant) | tree vs flat | ideal | share |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    spread = any("share_low" in r for r in rows)
+    lines = ["| shape | R | budget | tree ms | flat best ms (variant) | tree vs flat | ideal | share |"
+             + (" share range |" if spread else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spread else "")]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['shape']} | {r['redundancy']:.2f} | {r['budget']} | {r['tree_ms']:.0f} | "
                      f"{r['flat_best_ms']:.0f} ({r['flat_best']}) | {r['speedup']:.2f} | {r['ideal']:.2f} | "
-                     f"{100 * r['share']:.0f}% |")  # fmt: skip
+                     f"{100 * r['share']:.0f}% |"
+                     + (f" {100 * r['share_low']:.0f}-{100 * r['share_high']:.0f}% |" if spread else ""))  # fmt: skip
     return "\n".join(lines)
+
+
+def across_processes(runs: list[list[dict]]) -> list[dict]:
+    """One row per budget from the rows of several processes (each a list in budget order): the
+    median share, tree and flat times and speedup, the lowest and highest share, and the flat
+    variant most processes found fastest."""
+    rows = []
+    for same in zip(*runs, strict=True):
+        row = dict(same[0])
+        for key in ("tree_ms", "flat_best_ms", "speedup", "share"):
+            row[key] = statistics.median(r[key] for r in same)
+        variants = [r["flat_best"] for r in same]
+        row["flat_best"] = max(set(variants), key=variants.count)
+        row["share_low"], row["share_high"] = min(r["share"] for r in same), max(r["share"] for r in same)
+        row["processes"] = len(same)
+        rows.append(row)
+    return rows
+
+
+def _in_processes(shape: str, a: argparse.Namespace) -> list[dict]:
+    """``shape`` measured in ``a.processes`` fresh processes, one after the other."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.processes):
+            out = f"{tmp}/{i}.json"
+            cmd = [sys.executable, "-m", "harts.bench.ideal_share", "--family", a.family, "--shapes", shape,
+                   "--budgets", *map(str, a.budgets), "--repeats", str(a.repeats), "--threads", str(a.threads),
+                   "--json", out]  # fmt: skip
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                runs.append(json.load(f))
+    return across_processes(runs)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -117,16 +160,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--budgets", nargs="+", type=int, default=[1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--processes", type=int, default=1, help="fresh processes per shape (median share)")
     p.add_argument("--json", default=None, help="write every row here")
     a = p.parse_args(argv)
-    if a.repeats < 1 or any(b < 1 for b in a.budgets):
-        p.error("--repeats and every budget must be positive")
+    if a.repeats < 1 or a.processes < 1 or any(b < 1 for b in a.budgets):
+        p.error("--repeats, --processes and every budget must be positive")
     torch.set_num_threads(a.threads)
     rows = []
     for shape in a.shapes:
-        rows += measure(a.family, shape, tuple(a.budgets), a.repeats)
+        if a.processes > 1:
+            rows += _in_processes(shape, a)
+        else:
+            rows += measure(a.family, shape, tuple(a.budgets), a.repeats)
         print(table(rows[-len(a.budgets):]).split("\n", 2)[-1], flush=True)
-    print(f"\n{a.family}, {a.threads} thread(s), median of {a.repeats}\n{table(rows)}")
+    across = f", median over {a.processes} processes" if a.processes > 1 else ""
+    print(f"\n{a.family}, {a.threads} thread(s), median of {a.repeats}{across}\n{table(rows)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
