@@ -219,13 +219,109 @@ class _Clock:
 def _depth_first_walk(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
     """The decisions of :meth:`StepParts.depth_first`, from part sizes and readers alone, in order:
     ("run", p) a part no later part reads (its backward follows); ("hold", p) / ("pass", p) a part
-    later parts read, its graph kept or not (larger than ``cap``); ("drop", p) a held graph dropped
-    to make room; ("again", p) a part whose graph is not held runs again for its backward; and
-    ("backward", p)."""
+    later parts read, its graph kept or not; ("drop", p) a held graph dropped to make room (only
+    where lifetimes do not nest, below); ("again", p) a part whose graph is not held runs again for
+    its backward; and ("backward", p).
+
+    Every graph not held runs its forward again, so the walk holds the graphs that leave the fewest
+    tokens to run twice while the graphs held at any moment total at most ``cap`` tokens
+    (:func:`_graphs_to_hold`). Where the parts' lifetimes do not nest, it falls back to holding
+    each part while it fits, dropping the oldest held graphs first to make room."""
+    keep = _graphs_to_hold(order, sizes, producers, cap)
+    if keep is None:
+        yield from _oldest_dropped_walk(order, sizes, producers, cap)
+    else:
+        yield from _walk(order, producers, keep)
+
+
+def _walk(order: list[int], producers: dict[int, set[int]], keep: set[int] | None):
+    """The walk holding the graphs of the parts in ``keep`` (None: of every part later parts read)."""
+    readers = _reader_counts(order, producers)
+    for p in order:
+        if readers[p]:
+            yield ("hold" if keep is None or p in keep else "pass"), p
+            continue
+        yield "run", p
+        ready = [p]
+        while ready:
+            q = ready.pop()
+            yield "backward", q
+            for r in producers[q]:
+                readers[r] -= 1
+                if readers[r] == 0:
+                    if keep is not None and r not in keep:
+                        yield "again", r
+                    ready.append(r)
+
+
+def _reader_counts(order: list[int], producers: dict[int, set[int]]) -> dict[int, int]:
     readers = {p: 0 for p in order}
     for p in order:
         for q in producers[p]:
             readers[q] += 1
+    return readers
+
+
+def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
+    """The parts later parts read whose graphs to hold: the most held tokens (so the fewest run
+    twice) such that the graphs held at any moment total at most ``cap``; None where the parts'
+    lifetimes do not nest.
+
+    A read part's graph lives from its forward to its backward, after its last reader's. Lifetimes
+    nest (a spine run's readers run after it, before the parts of other branches), so the graphs
+    alive at one moment are a chain of enclosing lifetimes, and the choice is a knapsack on the
+    tree of lifetimes: every chain's held sizes within ``cap``, the held total largest. Solved
+    exactly by dynamic programming over the capacity left, from the innermost lifetimes out.
+    """
+    start, end = {}, {}
+    for i, (kind, p) in enumerate(_walk(order, producers, None)):
+        if kind == "hold":
+            start[p] = i
+        elif kind == "backward":
+            end[p] = i
+    read = sorted(start, key=start.get)
+    children: dict[int | None, list[int]] = {p: [] for p in read}
+    children[None] = []
+    chain = {None: 0}  # tokens of each lifetime and those enclosing it
+    live: list[int] = []
+    for p in read:
+        while live and end[live[-1]] < start[p]:
+            live.pop()
+        outer = live[-1] if live else None
+        if outer is not None and end[p] > end[outer]:
+            return None
+        children[outer].append(p)
+        chain[p] = chain[outer] + sizes[p]
+        live.append(p)
+    c = min(cap, max(chain.values()))
+    if c == max(chain.values()):
+        return set(read)  # every chain fits: hold them all
+    best: dict[int, np.ndarray] = {}  # per lifetime: the most held tokens in it and those it encloses, per capacity
+    below: dict[int | None, np.ndarray] = {}
+    for p in [*reversed(read), None]:
+        inner = np.zeros(c + 1, dtype=np.int64)
+        for q in children[p]:
+            inner += best[q]
+        below[p] = inner
+        if p is not None:
+            best[p] = inner.copy()
+            s = sizes[p]
+            if s <= c:
+                best[p][s:] = np.maximum(inner[s:], s + inner[: c + 1 - s])
+    keep, stack = set(), [(q, c) for q in children[None]]
+    while stack:  # the choices, from the outermost lifetimes in
+        p, room = stack.pop()
+        s = sizes[p]
+        if s <= room and s + below[p][room - s] > below[p][room]:
+            keep.add(p)
+            room -= s
+        stack.extend((q, room) for q in children[p])
+    return keep
+
+
+def _oldest_dropped_walk(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
+    """The walk holding each read part while it fits ``cap``, dropping the oldest held graphs first."""
+    readers = _reader_counts(order, producers)
     held: dict[int, int] = {}  # insertion order: the oldest first
     held_tokens = 0
     for p in order:
@@ -436,13 +532,12 @@ class StepParts:
         A part no later part reads (a micro-batch of whole trees, a subtree off a spine) runs its
         backward right after its forward. A part later parts read keeps its graph until they have all
         run theirs and sent their gradients back, then runs its own: held graphs are those of the
-        parts above the running one, the chain of spine runs. When holding a part's graph would take
-        the held tokens beyond ``run.hold_limit`` (``hold_tokens``, ``auto`` read as the budget), the
-        oldest held graphs are dropped first (the parts above, which wait longest); a dropped part,
-        or one larger than the bound, runs again, with autograd, when its backward is due. The walk
-        depends on sizes and readers alone (:func:`_depth_first_walk`), so it is known before the
-        step: a part whose graph it would drop runs its first forward without autograd, never
-        building a graph that nothing reads.
+        parts above the running one, the chain of spine runs. The graphs held at any moment stay
+        within ``run.hold_limit`` tokens (``hold_tokens``, ``auto`` read as the budget); a part whose
+        graph is not held runs again, with autograd, when its backward is due, and the walk holds
+        the graphs that leave the fewest tokens to run twice. It depends on sizes and readers alone
+        (:func:`_depth_first_walk`), so it is known before the step: a part whose graph it will not
+        hold runs its first forward without autograd, never building a graph that nothing reads.
         """
         producers = {p: self.banks.producers(p) for p in order}
         events = list(_depth_first_walk(order, self.sizes, producers, self.run.hold_limit))
