@@ -3,7 +3,8 @@
 Both peers share one prompt among G completions of a full-attention model, so they run only on
 a forest with a single root of at least two trajectories and depth 1 (the ``star`` shape) and only
 on families whose every layer is full attention (qwen3, llama). Each peer step computes the same
-objective as harts' (minus the sum of every trajectory's next-token log-probs) and runs backward.
+objective as harts' (minus the sum of every trajectory's next-token log-probs), taking one
+log-softmax over the logits' rows as the peer's users would, and runs backward.
 Neither package is a harts dependency: they are imported here, lazily, and a missing or failing
 peer becomes a reason string in the results.
 
