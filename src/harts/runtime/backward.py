@@ -242,16 +242,7 @@ def _walk(order: list[int], producers: dict[int, set[int]], keep: set[int] | Non
             yield ("hold" if keep is None or p in keep else "pass"), p
             continue
         yield "run", p
-        ready = [p]
-        while ready:
-            q = ready.pop()
-            yield "backward", q
-            for r in producers[q]:
-                readers[r] -= 1
-                if readers[r] == 0:
-                    if keep is not None and r not in keep:
-                        yield "again", r
-                    ready.append(r)
+        yield from _backwards(p, producers, readers, lambda r: keep is None or r in keep)
 
 
 def _reader_counts(order: list[int], producers: dict[int, set[int]]) -> dict[int, int]:
@@ -260,6 +251,21 @@ def _reader_counts(order: list[int], producers: dict[int, set[int]]) -> dict[int
         for q in producers[p]:
             readers[q] += 1
     return readers
+
+
+def _backwards(p: int, producers: dict[int, set[int]], readers: dict[int, int], released):
+    """("backward", p), then that of each part whose last reader has just run its backward, each
+    preceded by ("again", q) where ``released(q)`` says its graph was not held."""
+    ready = [p]
+    while ready:
+        q = ready.pop()
+        yield "backward", q
+        for r in producers[q]:
+            readers[r] -= 1
+            if readers[r] == 0:
+                if not released(r):
+                    yield "again", r
+                ready.append(r)
 
 
 def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
@@ -323,31 +329,19 @@ def _oldest_dropped_walk(order: list[int], sizes: list[int], producers: dict[int
     """The walk holding each read part while it fits ``cap``, dropping the oldest held graphs first."""
     readers = _reader_counts(order, producers)
     held: dict[int, int] = {}  # insertion order: the oldest first
-    held_tokens = 0
     for p in order:
         if readers[p]:
             keep = sizes[p] <= cap
-            while keep and held and held_tokens + sizes[p] > cap:
+            while keep and held and sum(held.values()) + sizes[p] > cap:
                 oldest = next(iter(held))
-                held_tokens -= held.pop(oldest)
+                del held[oldest]
                 yield "drop", oldest
             if keep:
-                held[p], held_tokens = sizes[p], held_tokens + sizes[p]
+                held[p] = sizes[p]
             yield ("hold" if keep else "pass"), p
             continue
         yield "run", p
-        ready = [p]
-        while ready:
-            q = ready.pop()
-            yield "backward", q
-            for r in producers[q]:
-                readers[r] -= 1
-                if readers[r] == 0:
-                    if r in held:
-                        held_tokens -= held.pop(r)
-                    else:
-                        yield "again", r
-                    ready.append(r)
+        yield from _backwards(p, producers, readers, lambda r: held.pop(r, None) is not None)
 
 
 class StepParts:
