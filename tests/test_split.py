@@ -389,6 +389,17 @@ def test_depth_first_walk_knows_its_holds_in_advance():
     assert ("hold", 0) in too_large and ("hold", 2) in too_large
 
 
+def test_depth_first_walk_counts_a_large_bound_in_coarser_units():
+    """A bound of 100,000 tokens is counted in units of 49 tokens (at most 2,048 steps): sizes round
+    up, so the held graphs still stay within the bound, and here the best choice is still found."""
+    producers = {0: set(), 1: {0}, 2: {0, 1}, 3: {0, 1, 2}}
+    sizes = [60_000, 30_000, 65_000, 10]  # 0 + 2 overflow; 0 + 1 hold 90,000 tokens, 1 + 2 95,000
+    events = list(_depth_first_walk([0, 1, 2, 3], sizes, producers, cap=100_000))
+    peak, rerun = _held_peak_and_rerun(events, sizes)
+    assert peak <= 100_000 and rerun == 60_000
+    assert [p for kind, p in events if kind == "hold"] == [1, 2]
+
+
 def test_depth_first_walk_falls_back_where_lifetimes_do_not_nest():
     """Parts not in pre-order: 3 reads 1 and 4 reads 2, so 1's graph is freed while 2's, started
     later, still lives. No tree of lifetimes, so the walk holds each part while it fits and drops

@@ -276,8 +276,9 @@ def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set
     A read part's graph lives from its forward to its backward, after its last reader's. Lifetimes
     nest (a spine run's readers run after it, before the parts of other branches), so the graphs
     alive at one moment are a chain of enclosing lifetimes, and the choice is a knapsack on the
-    tree of lifetimes: every chain's held sizes within ``cap``, the held total largest. Solved
-    exactly by dynamic programming over the capacity left, from the innermost lifetimes out.
+    tree of lifetimes: every chain's held sizes within ``cap``, the held total largest. Solved by
+    dynamic programming over the capacity left, from the innermost lifetimes out: exactly for a
+    bound of up to :data:`_HOLD_STEPS` tokens, in coarser units (sizes rounded up) above.
     """
     start, end = {}, {}
     for i, (kind, p) in enumerate(_walk(order, producers, None)):
@@ -299,30 +300,38 @@ def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set
         children[outer].append(p)
         chain[p] = chain[outer] + sizes[p]
         live.append(p)
-    c = min(cap, max(chain.values()))
-    if c == max(chain.values()):
+    if cap >= max(chain.values()):
         return set(read)  # every chain fits: hold them all
-    best: dict[int, np.ndarray] = {}  # per lifetime: the most held tokens in it and those it encloses, per capacity
+    # Capacity in units of at most _HOLD_STEPS steps: sizes rounded up, so the bound still holds
+    # (exact where the bound is at most _HOLD_STEPS tokens, as at the default of one budget of 1024).
+    unit = -(-cap // _HOLD_STEPS)
+    c, size = cap // unit, {p: -(-sizes[p] // unit) for p in read}
+    best: dict[int, np.ndarray] = {}  # per lifetime: the most held units in it and those it encloses, per capacity
     below: dict[int | None, np.ndarray] = {}
     for p in [*reversed(read), None]:
         inner = np.zeros(c + 1, dtype=np.int64)
         for q in children[p]:
-            inner += best[q]
+            inner += best.pop(q)
         below[p] = inner
         if p is not None:
             best[p] = inner.copy()
-            s = sizes[p]
+            s = size[p]
             if s <= c:
                 best[p][s:] = np.maximum(inner[s:], s + inner[: c + 1 - s])
     keep, stack = set(), [(q, c) for q in children[None]]
     while stack:  # the choices, from the outermost lifetimes in
         p, room = stack.pop()
-        s = sizes[p]
+        s = size[p]
         if s <= room and s + below[p][room - s] > below[p][room]:
             keep.add(p)
             room -= s
         stack.extend((q, room) for q in children[p])
     return keep
+
+
+#: Capacity steps of the held-graph knapsack (:func:`_graphs_to_hold`): a bound above this many
+#: tokens is counted in coarser units.
+_HOLD_STEPS = 2048
 
 
 def _oldest_dropped_walk(order: list[int], sizes: list[int], producers: dict[int, set[int]], cap: int):
