@@ -384,6 +384,8 @@ def test_depth_first_walk_knows_its_holds_in_advance():
                       ("again", 1), ("backward", 1), ("again", 0), ("backward", 0)]  # fmt: skip
     roomy = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=300))
     assert not any(kind in ("pass", "again") for kind, _ in roomy)
+    none = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=0))
+    assert [p for kind, p in none if kind == "again"] == [2, 1, 0]
     too_large = list(_depth_first_walk([0, 1, 2, 3], [100, 400, 100, 10], producers, cap=300))
     assert ("pass", 1) in too_large and ("again", 1) in too_large
     assert ("hold", 0) in too_large and ("hold", 2) in too_large

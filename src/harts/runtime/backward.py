@@ -304,7 +304,7 @@ def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set
         return set(read)  # every chain fits: hold them all
     # Capacity in units of at most _HOLD_STEPS steps: sizes rounded up, so the bound still holds
     # (exact where the bound is at most _HOLD_STEPS tokens, as at the default of one budget of 1024).
-    unit = -(-cap // _HOLD_STEPS)
+    unit = max(1, -(-cap // _HOLD_STEPS))
     c, size = cap // unit, {p: -(-sizes[p] // unit) for p in read}
     best: dict[int, np.ndarray] = {}  # per lifetime: the most held units in it and those it encloses, per capacity
     below: dict[int | None, np.ndarray] = {}
