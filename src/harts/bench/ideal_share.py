@@ -114,10 +114,10 @@ def table(rows: list[dict]) -> str:
              + (" share range |" if spread else ""),
              "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spread else "")]  # fmt: skip
     for r in rows:
+        span = f" {100 * r['share_low']:.0f}-{100 * r['share_high']:.0f}% |" if spread else ""
         lines.append(f"| {r['shape']} | {r['redundancy']:.2f} | {r['budget']} | {r['tree_ms']:.0f} | "
                      f"{r['flat_best_ms']:.0f} ({r['flat_best']}) | {r['speedup']:.2f} | {r['ideal']:.2f} | "
-                     f"{100 * r['share']:.0f}% |"
-                     + (f" {100 * r['share_low']:.0f}-{100 * r['share_high']:.0f}% |" if spread else ""))  # fmt: skip
+                     f"{100 * r['share']:.0f}% |{span}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -145,8 +145,8 @@ def _in_processes(shape: str, a: argparse.Namespace) -> list[dict]:
         for i in range(a.processes):
             out = f"{tmp}/{i}.json"
             cmd = [sys.executable, "-m", "harts.bench.ideal_share", "--family", a.family, "--shapes", shape,
-                   "--budgets", *map(str, a.budgets), "--repeats", str(a.repeats), "--threads", str(a.threads),
-                   "--json", out]  # fmt: skip
+                   "--budgets", *map(str, a.budgets), "--repeats", str(a.repeats),
+                   "--threads", str(a.threads), "--json", out]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 runs.append(json.load(f))

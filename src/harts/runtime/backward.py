@@ -306,7 +306,8 @@ def _graphs_to_hold(order: list[int], sizes: list[int], producers: dict[int, set
     # (exact where the bound is at most _HOLD_STEPS tokens, as at the default of one budget of 1024).
     unit = max(1, -(-cap // _HOLD_STEPS))
     c, size = cap // unit, {p: -(-sizes[p] // unit) for p in read}
-    best: dict[int, np.ndarray] = {}  # per lifetime: the most held units in it and those it encloses, per capacity
+    # per lifetime, per capacity: the most held units in it and the lifetimes it encloses
+    best: dict[int, np.ndarray] = {}
     below: dict[int | None, np.ndarray] = {}
     for p in [*reversed(read), None]:
         inner = np.zeros(c + 1, dtype=np.int64)
