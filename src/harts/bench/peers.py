@@ -62,10 +62,12 @@ def _full_attention_only(model: nn.Module) -> bool:
     return types_ is None or all(t == "full_attention" for t in types_)
 
 
-def _logprob_sum(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of log p(targets[i] | logits[rows[i]]): one log-softmax over the logits' rows, each once
-    however many trajectories read it (a shared prompt's rows once, as a user of the peer would)."""
-    return logits.float().log_softmax(-1)[rows, targets].sum()
+def _logprob_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None):
+    """Sum of log p(targets[i] | logits[rows[i]]) (row i where ``rows`` is None): one log-softmax
+    over the logits' rows, each once however many trajectories read it (a shared prompt's rows
+    once, as a user of the peer would)."""
+    logp = logits.float().log_softmax(-1)
+    return (logp[rows, targets] if rows is not None else logp.gather(-1, targets[:, None])).sum()
 
 
 # ---- PrefixGrouper -------------------------------------------------------------------------------
@@ -120,7 +122,7 @@ def _prefix_grouper_step(model, trajectories, prompt_len) -> Callable[[], torch.
                 input_ids=ids[None], position_ids=positions[None], use_cache=False,
                 prefix_grouper=grouper, prefix_grouper_attn_func=_ATTN_NAME,
             ).logits[0]
-        loss = -_logprob_sum(logits, rows, targets)
+        loss = -_logprob_sum(logits, targets, rows)
         loss.backward()
         return loss.detach()
 
@@ -162,13 +164,13 @@ def _flash_pref_step(model, trajectories) -> Callable[[], torch.Tensor]:
     width = ids.shape[1]
     # each row's predicting positions in the flattened [G * L] batch, and their targets
     flat_rows = torch.cat([b * width + torch.arange(len(r) - 1, device=device) for b, r in enumerate(rows)])
-    targets, taken = ids.view(-1)[flat_rows + 1], torch.arange(flat_rows.numel(), device=device)
+    targets = ids.view(-1)[flat_rows + 1]
 
     def step() -> torch.Tensor:
         share = shared_prefix(model, input_ids=ids, attention_mask=mask, group_size=len(rows))
         with _tuple_layers(model), share:
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            loss = -_logprob_sum(logits.flatten(0, 1)[flat_rows], taken, targets)  # no padded rows
+            loss = -_logprob_sum(logits.flatten(0, 1)[flat_rows], targets)  # no padded rows
             loss.backward()  # inside the context, as flash-pref's trainers do
         return loss.detach()
 
