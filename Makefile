@@ -85,7 +85,7 @@ test-verl: $(VERL)/.installed
 # command within 8 minutes; without a CUDA device it says so, runs the backend's CPU tests and exits 0
 gpu-check:
 	@if [ -n "$(GPU_PYTHON)" ]; then \
-		PYTHONPATH=src $(GPU_PYTHON) -m harts.bench.gpu_check $(ARGS); \
+		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m harts.bench.gpu_check $(ARGS); \
 	elif nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) $(GPU)/.installed && $(GPU)/bin/python -m harts.bench.gpu_check $(ARGS); \
 	else \

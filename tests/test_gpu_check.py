@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harts.bench.gpu_check import main
+from harts.bench.gpu_check import gpu_test_files, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +32,13 @@ def test_a_failing_stage_fails_the_check(tmp_path, monkeypatch):
     assert main(["--out", str(tmp_path), "--time-limit", "300"]) == 1
     status = json.loads((tmp_path / "gpu-check.json").read_text())["stages"][0]["status"]
     assert status.startswith("failed")
+
+
+def test_the_cuda_stage_collects_exactly_the_files_that_mark_a_test_gpu(tmp_path):
+    (tmp_path / "test_marked.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_x(): pass\n")
+    (tmp_path / "test_plain.py").write_text("import trl  # a CPU-side package a CUDA image may lack\n")
+    (tmp_path / "helper.py").write_text("# pytest.mark.gpu, but not a test file\n")
+    assert gpu_test_files(tmp_path) == [str(tmp_path / "test_marked.py")]
+    in_repo = gpu_test_files(ROOT / "tests")
+    assert str(ROOT / "tests" / "test_gpu_backend.py") in in_repo
+    assert str(ROOT / "tests" / "test_integrations_trl.py") not in in_repo
