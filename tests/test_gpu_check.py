@@ -4,12 +4,17 @@ JSON and table, and exits 0 (on a GPU machine the same command runs the CUDA sta
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from harts.bench.gpu_check import gpu_test_files, main
+from harts.bench.gpu_check import _stage, gpu_test_files, main
+from harts.bench.gpu_child import AUTOTUNE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +47,56 @@ def test_the_cuda_stage_collects_exactly_the_files_that_mark_a_test_gpu(tmp_path
     in_repo = gpu_test_files(ROOT / "tests")
     assert str(ROOT / "tests" / "test_gpu_backend.py") in in_repo
     assert str(ROOT / "tests" / "test_integrations_trl.py") not in in_repo
+
+
+def test_a_stage_at_its_limit_is_stopped_and_its_log_ends_with_where_it_stood(tmp_path, monkeypatch):
+    monkeypatch.setattr("harts.bench.gpu_check.MIN_STAGE_SECONDS", 0.5)
+    script = "import time\nprint('started', flush=True)\ndef waiting_here():\n time.sleep(60)\nwaiting_here()"
+    cmd = [sys.executable, "-X", "faulthandler", "-c", script]
+    start = time.monotonic()
+    stage = _stage("slow", cmd, time.monotonic() + 3.0, tmp_path / "slow.log")
+    assert stage["status"] == "stopped (time limit)" and time.monotonic() - start < 30
+    assert stage["output_tail"].startswith("started") and "in waiting_here" in stage["output_tail"]
+    assert (tmp_path / "slow.log").read_text() == stage["output_tail"]
+
+
+def test_a_stage_without_time_is_not_run(tmp_path):
+    stage = _stage("late", [sys.executable, "-c", "pass"], time.monotonic() + 1.0, tmp_path / "late.log")
+    assert stage["status"] == "not run (time limit)" and not (tmp_path / "late.log").exists()
+
+
+def test_the_child_runs_a_module_as_main_with_its_arguments(tmp_path):
+    (tmp_path / "echo_args.py").write_text("import sys\nif __name__ == '__main__':\n    print(sys.argv[1:])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])}
+    for mode in AUTOTUNE_MODES:
+        cmd = [sys.executable, "-m", "harts.bench.gpu_child", "--autotune", mode, "echo_args", "-q", "-x"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+        assert proc.stdout.strip() == "['-q', '-x']"
+
+
+def test_on_cuda_the_stages_run_through_the_child_with_the_chosen_tuning_and_families(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test device")
+    seen = []
+
+    def record(name, cmd, deadline, log, share=1.0):
+        seen.append((name, cmd, log.name, share))
+        return dict(name=name, status="passed", seconds=0.0, command=" ".join(cmd))
+
+    monkeypatch.setattr("harts.bench.gpu_check._stage", record)
+    assert main(["--out", str(tmp_path), "--autotune", "full", "--families", "qwen3_next"]) == 0
+    assert [(n, log, share) for n, _, log, share in seen] == [
+        ("tests", "tests.log", 0.3), ("tests-kernels", "tests-kernels.log", 0.35),
+        ("bench-fla", "bench-fla.log", 0.5), ("bench-torch", "bench-torch.log", 1.0)]  # fmt: skip
+    for _, cmd, _, _ in seen:
+        assert cmd[1:7] == ["-X", "faulthandler", "-m", "harts.bench.gpu_child", "--autotune", "full"]
+    assert seen[0][1][7:12] == ["pytest", "-q", "-p", "no:cacheprovider", "-m"]
+    assert "tests_kernels" in seen[1][1]
+    assert "tests/test_gpu_backend.py" in seen[0][1]
+    bench = seen[2][1]
+    assert bench[7] == "harts.bench.run" and bench[bench.index("--families") + 1] == "qwen3_next"
+    assert bench[bench.index("--backend") + 1] == "fla" and bench[bench.index("--device") + 1] == "cuda"
+    results = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert results["autotune"] == "full" and results["bench"] == {"fla": [], "torch": []}
+    assert "triton's autotuning" in (tmp_path / "gpu-check.md").read_text()

@@ -6,7 +6,8 @@ kernels on it (``tests_kernels.device``), compiled. Without a CUDA device the su
 ``TRITON_INTERPRET=1`` (set here when missing, before triton is imported) and two work-arounds of
 interpreter limits, applied here and only here, never in the library path a GPU runs:
 
-1. autotuned kernels keep their first config: the interpreter has no device to benchmark the
+1. autotuned kernels keep their first config (``harts.bench.gpu_child.first_config_only``, which
+   ``make gpu-check`` applies on a device too): the interpreter has no device to benchmark the
    others on (``RuntimeError: 0 active drivers``);
 2. ``for i in range(...)`` loop variables inside a kernel answer ``.to(dtype)`` as compiled triton's
    do: the interpreter leaves them Python ints, and a kernel calling ``i_t.to(tl.int64)`` fails
@@ -32,18 +33,8 @@ try:
     import fla  # noqa: F401
     import triton
     from triton.runtime import interpreter
-    from triton.runtime.autotuner import Autotuner
 except ImportError as e:  # pragma: no cover - the wrong venv
     pytest.skip(f"the kernels suite needs the gpu extra (make test-kernels): {e}", allow_module_level=True)
-
-
-def _first_config_only():
-    prune = Autotuner.prune_configs
-
-    def first(self, kwargs):
-        return prune(self, kwargs)[:1]
-
-    Autotuner.prune_configs = first
 
 
 def _tensor_loop_variables():
@@ -82,7 +73,9 @@ def _tensor_loop_variables():
 if _CPU:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.exit("without a CUDA device the kernels suite runs under TRITON_INTERPRET=1", returncode=2)
-    _first_config_only()
+    from harts.bench.gpu_child import first_config_only  # after TRITON_INTERPRET is set
+
+    first_config_only()
     _tensor_loop_variables()
 
 TRITON_VERSION = triton.__version__
