@@ -151,7 +151,7 @@ def test_loss_kinds_are_tested_only_inside_objectives():
 FAMILY_DEFAULTS = {"harts.demo", "harts.bench.cases", "harts.bench.overhead", "harts.bench.critic_step",
                    "harts.bench.distributed_step", "harts.bench.fsdp_memory", "harts.bench.integrations_grpo",
                    "harts.bench.master_weights", "harts.bench.three_passes",
-                   "harts.bench.ideal_share"}  # fmt: skip
+                   "harts.bench.ideal_share", "harts.bench.gpu_check"}  # fmt: skip
 
 
 def test_family_knowledge_stays_in_the_adapters():

@@ -9,9 +9,9 @@ Stages, each a child process given a share of the time left (the whole check sto
    rule against the fp64 references with per-segment initial states and inner states, FlexAttention
    tree attention against the dense mask, a tiny model's tree forward under ``fla``);
 2. ``bench-fla`` and ``bench-torch``: ``harts bench --device cuda`` on the small configs of
-   ``--families`` (bailing_hybrid and qwen3_next: the two delta-rule kernels), shapes ``agentic``
-   and ``paper_like``, once with the ``fla`` backend and once with plain PyTorch; each reports the
-   tree step against the flat layout at its best budget.
+   ``--families`` (bailing_hybrid and qwen3_next, the two delta-rule kernels, where the installed
+   transformers has them), shapes ``agentic`` and ``paper_like``, once with the ``fla`` backend and
+   once with plain PyTorch; each reports the tree step against the flat layout at its best budget.
 
 Every stage runs through :mod:`harts.bench.gpu_child`, which sets triton's tuning (``--autotune``:
 each kernel's first configuration by default, since a fresh machine's full autotuning outlasts the
@@ -38,13 +38,15 @@ from pathlib import Path
 import torch
 
 from harts.bench.gpu_child import AUTOTUNE_MODES
+from harts.tiny import FAMILIES
 
 __all__ = ["gpu_test_files", "main", "table"]
 
 BENCH_ARGS = ["--shapes", "agentic", "paper_like", "--model-size", "small", "--repeats", "3",
               "--no-memory", "--no-peers", "--scale", "0.05"]  # fmt: skip
-# the families whose linear layers the fla kernels run: Kimi Delta Attention and Gated DeltaNet
-BENCH_FAMILIES = ("bailing_hybrid", "qwen3_next")
+# the families whose linear layers the fla kernels run (Kimi Delta Attention, Gated DeltaNet), those the
+# installed transformers has
+BENCH_FAMILIES = tuple(f for f in ("bailing_hybrid", "qwen3_next") if f in FAMILIES)
 CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 MIN_STAGE_SECONDS = 20.0  # a stage given less is reported "not run (time limit)"
 CPU_TESTS = ["tests/test_backend_selection.py", "tests/test_gpu_backend.py"]
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--autotune", choices=AUTOTUNE_MODES, default="first",
                    help="triton's kernel tuning: each kernel's first configuration (the default: a fresh "
                         "machine's full autotuning outlasts the time limit) or full (harts.bench.gpu_child)")
-    p.add_argument("--families", nargs="+", default=list(BENCH_FAMILIES), help="the benches' model families")
+    p.add_argument("--families", nargs="+", default=list(BENCH_FAMILIES), choices=FAMILIES,
+                   help="the benches' model families")
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.time_limit
     out = Path(a.out)
