@@ -97,11 +97,11 @@ def _bench_rows(out: Path) -> list[dict]:
 
 def table(results: dict) -> str:
     """The check as markdown: the stages, then tree against flat per backend, family and shape."""
-    tuning = {"first": "each triton kernel at its first configuration, not autotuned",
-              "full": "triton's autotuning"}.get(results.get("autotune"), "")
+    tuning = {"first": "; each triton kernel at its first configuration, not autotuned",
+              "full": "; triton's autotuning"}[results["autotune"]]
     if results["device"] == "no CUDA device":  # no triton kernel runs
         tuning = ""
-    lines = [f"GPU check on {results['device']} (torch {results['torch']}{'; ' * bool(tuning)}{tuning})", "",
+    lines = [f"GPU check on {results['device']} (torch {results['torch']}{tuning})", "",
              "| stage | status | seconds |", "|---|---|---:|"]  # fmt: skip
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.0f} |" for s in results["stages"]]
     rows = [(backend, r) for backend, rs in results["bench"].items() for r in rs]
