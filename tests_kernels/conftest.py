@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import tempfile
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ import torch
 _CPU = not torch.cuda.is_available()
 if _CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's on-disk cache does not key its CPU kernels by ATen's vector capability: a FlexAttention
+# kernel compiled under AVX-512 and read back under ATEN_CPU_CAPABILITY=avx2 (or the reverse) returned
+# wrong outputs (off by 0.6), and a fresh cache under either gave the right ones. One cache per capability.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"harts-kernels-inductor-{torch.backends.cpu.get_cpu_capability()}"),
+)
 
 try:
     import fla  # noqa: F401
