@@ -237,3 +237,45 @@ def test_matches_transformers_qwen3_next_gdn():
 def test_rejects_chunk_size_not_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         chunked_gated_delta_rule(*make_inputs(1, 10, 1, 8, 8), chunk_size=48)
+
+
+@pytest.mark.parametrize("per_step", [2.5, 2.8, 3.0, 20.0], ids=lambda g: f"g-{g}")
+def test_intra_chunk_scores_both_forms(per_step):
+    """P and A of one 16-slot chunk against fp64 sums, each within the rounding its form allows.
+
+    Gates -U(0.8, 1) * per_step make the chunk's path sums spread about 15 * 0.9 * per_step: below
+    FACTOR_SPAN (factored about the midpoint) at 2.5 and 2.8, above it at 3.0 and 20 (binary split).
+    Bound per entry, over the sum |terms| of its K products: factored, each factor is an fp64
+    exponential rounded once, then two products and K - 1 additions: (K + 4) eps; the split also
+    forms its exponents as fp32 sums of up to C / 2 gates, whose error is at most C / 2 eps times
+    the sum's magnitude, so each factor carries that much more relative error. Products that
+    underflow (strong decays) may each lose up to fp32's smallest normal number, absolutely.
+    """
+    from harts.ops.chunked import scores
+
+    C, K = 16, 8
+    gen = torch.Generator().manual_seed(7)
+    q = F.normalize(torch.randn(3, C, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(3, C, K, generator=gen), dim=-1)
+    g = -(0.8 + 0.2 * torch.rand(3, C, K, generator=gen)) * per_step
+    G = g.double().cumsum(-2)
+    span = float((G.amax(-2) - G.amin(-2)).max())
+    factored = span <= scores.FACTOR_SPAN
+    assert factored == (per_step < 3.0), f"spread {span:.1f} is on the wrong side of the bound"
+    assert (scores._factored_scores(q, k, g, True) is not None) == factored
+
+    D = torch.exp((G[:, :, None, :] - G[:, None, :, :]).clamp_max(0))  # [3, t, j, K], j <= t read only
+    eps = torch.finfo(torch.float32).eps
+    terms = {"P": q.double()[:, :, None, :] * k.double()[:, None, :, :] * D,
+             "A": k.double()[:, :, None, :] * k.double()[:, None, :, :] * D}
+    P, A = scores.intra_chunk_scores(q, k, g)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    for name, got, mask in (("P", P, lower), ("A", A, lower.tril(-1))):
+        exact = terms[name].sum(-1) * mask
+        slack = K + 4 if factored else K + 4 + 2 * (C // 2) * float(G.abs().amax())
+        underflow = 4 * K * torch.finfo(torch.float32).tiny
+        bound = (slack * eps * terms[name].abs().sum(-1) + underflow) * mask
+        err = (got.double() - exact).abs()
+        assert (err <= bound).all(), f"{name}: error {float((err - bound).max()):.3g} above its bound"
+    P_only, none = scores.intra_chunk_scores(q, k, g, keys=False)
+    assert none is None and torch.equal(P_only, P)

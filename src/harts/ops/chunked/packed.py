@@ -28,6 +28,7 @@ import torch
 
 from harts.ops.chunked.gate import head_gate
 from harts.ops.chunked.scan import TreeStateScan
+from harts.ops.chunked.scores import FACTOR_SPAN
 from harts.plan.packed_chunks import PackedChunkPlan
 
 __all__ = ["FACTOR_SPAN", "Decays", "PackedChunks"]
@@ -102,12 +103,6 @@ class PackedChunks:
         else:
             out = x @ s0
         return list(out.split(p.chunk_size, -2))
-
-
-#: Largest spread (max - min) of a chunk's path sums, per key channel, for which the per-key decays
-#: factor as e^{G_t - mid} e^{mid - G_i}: each factor within e^{+-20} (no overflow, and each
-#: exponent's fp32 rounding at most 20 ulps of 1 in relative terms, as the causal chunk's factors).
-FACTOR_SPAN = 40.0
 
 
 class Decays:

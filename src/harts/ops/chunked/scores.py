@@ -4,13 +4,23 @@ With per-channel decay the intra-chunk products need the decay inside the K-cont
 sum_c a_t[c] b_j[c] exp(G_t[c] - G_j[c]) with G the in-chunk cumulative log-decay. The usual
 factorisation (a * exp(G)) @ (b * exp(-G))^T overflows fp32 once -G > 88 (5 steps of g = -20); the
 stock transformers chunk avoids that by building a [C, C, K] decay tensor per chunk, which is slow.
-Here the chunk is split recursively in halves (C/2, C/4, ..., 1): each pair j < t is separated at
-exactly one level, with j in the left half and t in the right half of a block, and the reference
-point r is the last position of the left half. Then both factors exp(G_t - G_r) and exp(G_r - G_j)
-are <= 1 (no overflow for any g <= 0) and each level is one batched matmul, C log2(C) K work in
-elementwise ops. Every exponent is formed as a direct sum of the g's it spans (cumulative sums
-inside a half-block), never as a difference of two long cumulative sums, so a large early decay
-costs no precision later.
+Two forms here, both exact to a few ulps per factor:
+
+- Factored about each chunk's midpoint (the usual case). G is summed in fp64 (each G_t a direct
+  sum of the chunk's g's, exact to fp64 rounding), and where every chunk's G stays within a spread
+  of :data:`FACTOR_SPAN` per key channel, exp(G_t - G_j) = exp(G_t - mid) exp(mid - G_j) with
+  mid the midpoint of the chunk's range: both factors within e^{+-20}, each formed in fp64 and
+  rounded once to fp32, so the scores are two masked matmuls (about 30 ops forward for a layer's
+  call, against about 130 for the split below, which the small micro-batches of a cut tree pay as
+  a fixed cost).
+- Binary split, for strong decays (a chunk's G spanning more than :data:`FACTOR_SPAN`): the chunk
+  is split recursively in halves (C/2, C/4, ..., 1): each pair j < t is separated at exactly one
+  level, with j in the left half and t in the right half of a block, and the reference point r is
+  the last position of the left half. Then both factors exp(G_t - G_r) and exp(G_r - G_j) are <= 1
+  (no overflow for any g <= 0) and each level is one batched matmul, C log2(C) K work in
+  elementwise ops. Every exponent is formed as a direct sum of the g's it spans (cumulative sums
+  inside a half-block), never as a difference of two long cumulative sums, so a large early decay
+  costs no precision later.
 """
 
 from __future__ import annotations
@@ -20,11 +30,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_prefix_sum", "exclusive_suffix_sum", "intra_chunk_scores"]
+__all__ = ["FACTOR_SPAN", "chunk_prefix_sum", "exclusive_suffix_sum", "intra_chunk_scores"]
 
 
 #: Longest chunk whose sums along it run as one product with a 0/1 triangle.
 _MAX_PRODUCT_SUM = 128
+
+#: Largest spread (max - min) of a chunk's path sums, per key channel, for which the per-key decays
+#: factor as e^{G_t - mid} e^{mid - G_j}: each factor within e^{+-20} (no overflow; each formed in
+#: fp64 and rounded once to fp32, at most half an ulp of relative error apiece).
+FACTOR_SPAN = 40.0
 
 
 @functools.lru_cache(maxsize=32)
@@ -32,6 +47,12 @@ def _triangle(n: int, strict_upper: bool, dtype: torch.dtype, device: torch.devi
     """[n, n] 0/1: ones above the diagonal (``strict_upper``), or on and below it."""
     ones = torch.ones(n, n, dtype=dtype, device=device)
     return ones.triu(1) if strict_upper else ones.tril()
+
+
+@functools.lru_cache(maxsize=32)
+def _strict_lower(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, n] 0/1: ones below the diagonal."""
+    return torch.ones(n, n, dtype=dtype, device=device).tril(-1)
 
 
 def _by_product(x: torch.Tensor, dim: int) -> bool:
@@ -94,17 +115,22 @@ def _pair_layout(C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return idx_p.reshape(-1).to(device), idx_a.reshape(-1).to(device)
 
 
-def intra_chunk_scores(q, k, g):
+def intra_chunk_scores(q, k, g, keys: bool = True):
     """Decay-weighted scores inside each chunk.
 
     q, k, g: [..., C, K], C a power of two. Returns (P, A) of shape [..., C, C]:
       P[t, j] = sum_c q_t[c] k_j[c] exp(sum_{j<s<=t} g_s[c])  for j <= t, else 0
-      A[t, j] = same with k_t in place of q_t, for j < t only (strictly lower).
-    Binary split: in each block of 2s positions, rows t of the right half meet cols j of the left half
-    through the reference r = last position of the left half, so j <= r < t and
+      A[t, j] = same with k_t in place of q_t, for j < t only (strictly lower);
+    A is None when ``keys`` is False (a caller without a delta term), where the factored form
+    skips it. Factored about each chunk's midpoint where the spread allows (module docstring),
+    else the binary split: in each block of 2s positions, rows t of the right half meet cols j of
+    the left half through the reference r = last position of the left half, so j <= r < t and
       exp(sum_{j<s<=t} g_s) = exp(sum_{r<s<=t} g_s) * exp(sum_{j<s<=r} g_s),
     both factors <= 1 and both sums of g's (no difference of sums): no overflow, no cancellation.
     """
+    factored = _factored_scores(q, k, g, keys)
+    if factored is not None:
+        return factored
     *lead, C, K = k.shape
     q_vals, k_vals = [], []
     s = 1
@@ -130,4 +156,29 @@ def intra_chunk_scores(q, k, g):
     idx_p, idx_a = _pair_layout(C, k.device)
     P = torch.cat(q_vals + [diag, zero], -1).index_select(-1, idx_p).reshape(*lead, C, C)
     A = torch.cat(k_vals + [zero], -1).index_select(-1, idx_a).reshape(*lead, C, C)
-    return P, A
+    return P, (A if keys else None)
+
+
+def _factored_scores(q, k, g, keys: bool):
+    """(P, A) as two masked products about each chunk's midpoint path sum, or None where some
+    chunk's path sums spread wider than :data:`FACTOR_SPAN` in some key channel.
+
+    The spread test reads one number back from the device (a sync on a GPU, where the fla kernels
+    usually run instead)."""
+    C = k.shape[-2]
+    G = chunk_prefix_sum(g.double())  # each G_t a direct sum of the chunk's g_0..g_t, in fp64
+    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
+    if float((hi - lo).detach().max()) > FACTOR_SPAN:
+        return None
+    mid = (hi + lo) / 2
+    rows = torch.exp(G - mid).float()  # e^{G_t - mid}: within e^{+-20}, rounded once
+    cols = k * torch.exp(mid - G).float()
+    strict = _strict_lower(C, k.dtype, k.device)
+    # The diagonal carries no decay: formed as q_t . k_t, not as e^{G_t - mid} e^{mid - G_t}, whose
+    # two factors' gradients would cancel only to rounding in g's gradient (noise against a small
+    # true gradient: GDN's per-head gate sums it over K).
+    diag = torch.diag_embed((q * k).sum(-1))
+    if not keys:
+        return ((q * rows) @ cols.transpose(-1, -2)) * strict + diag, None
+    P, A = (torch.cat([q * rows, k * rows], -2) @ cols.transpose(-1, -2)).split(C, -2)
+    return P * strict + diag, A * strict

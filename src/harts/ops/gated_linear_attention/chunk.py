@@ -40,7 +40,7 @@ def gated_linear_attention_chunks(x: ChunkedInputs, scan, initial: torch.Tensor)
     :func:`~harts.ops.delta_rule.chunk.delta_rule_chunks`. Returns (o [..., C, V], chunk-start
     states, final states)."""
     q, k, v, g = x.q, x.k, x.v, x.g
-    P, _ = intra_chunk_scores(q, k, g)  # P[t, j] = q_t . (k_j * exp(sum_{j<s<=t} g_s)), j <= t
+    P, _ = intra_chunk_scores(q, k, g, keys=False)  # P[t, j] = q_t . (k_j * exp(sum_{j<s<=t} g_s)), j <= t
     G = chunk_prefix_sum(g)
     decay = torch.exp(G)
     Qg = q * decay
