@@ -11,8 +11,11 @@ unique predictor, in row chunks, without keeping logits:
 
 The backward of (lse, entropy) recomputes each chunk's logits and uses
 d lse / d logits = p and d entropy / d logits = -p (log p + entropy), so peak memory is one chunk
-of [chunk, vocab] logits in forward and backward. The target logit is a plain gathered dot
-product, differentiated by autograd, formed once per distinct (predictor, target) pair.
+of [chunk, vocab] logits in forward and backward. The target logits are read from the same chunks'
+logits, once per distinct (predictor, target) pair, as a stock ``log_softmax(...).gather`` reads
+them; their gradients join the chunk's logit gradients in backward (one entry each), so the head's
+weight gradient is the chunks' products alone: no gathered [pairs, D] rows of the weight, and no
+[vocab, D] buffer for a scatter of their gradients.
 ``plain_token_logprobs`` is the reference: full logits and autograd.
 
 A head that is not a plain linear layer (LoRA on the head, a forward hook, a quantised or wrapped
@@ -95,40 +98,48 @@ def _capped_grad(grad, raw, softcap, temperature):
 
 
 class _LseEntropy(torch.autograd.Function):
-    """(lse [U], entropy [U]) of the logits ``hidden @ weight.T + bias`` in row chunks."""
+    """(lse [U], entropy [U], target logits [P]) of the logits ``hidden @ weight.T + bias`` in row
+    chunks; the target logits are those at the P distinct pairs (``pair_pred``, ``pair_target``),
+    sorted by predictor, read from the chunks' logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, chunk, softcap=None, temperature=1.0):
+    def forward(ctx, hidden, weight, bias, chunk, softcap, temperature, pair_pred, pair_target):
         u = hidden.shape[0]
         lse = torch.empty(u, dtype=_acc(weight), device=hidden.device)
         entropy = torch.empty(u, dtype=_acc(weight), device=hidden.device)
-        for s in range(0, u, chunk):
+        target_logit = torch.empty(pair_pred.shape, dtype=_acc(weight), device=hidden.device)
+        # each chunk's pairs: a contiguous run, as the pairs are sorted by predictor
+        edges = torch.searchsorted(pair_pred, torch.arange(0, u + chunk, chunk, device=pair_pred.device))
+        edges = edges.tolist()
+        for i, s in enumerate(range(0, u, chunk)):
             logits = _logits(hidden[s : s + chunk], weight, bias, softcap, temperature)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             logp = logits - chunk_lse[:, None]
             lse[s : s + chunk] = chunk_lse
             entropy[s : s + chunk] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, entropy)
-        ctx.chunk, ctx.autocast = chunk, autocast_state(hidden.device)
+            a, b = edges[i], edges[i + 1]
+            target_logit[a:b] = logits[pair_pred[a:b] - s, pair_target[a:b]]
+        ctx.save_for_backward(hidden, weight, bias, entropy, pair_pred, pair_target)
+        ctx.chunk, ctx.autocast, ctx.edges = chunk, autocast_state(hidden.device), edges
         ctx.softcap, ctx.temperature = softcap, temperature
         ctx.set_materialize_grads(False)  # an output no loss reads gets None: its term is skipped
-        return lse, entropy
+        return lse, entropy, target_logit
 
     @staticmethod
-    def backward(ctx, grad_lse, grad_entropy):
+    def backward(ctx, grad_lse, grad_entropy, grad_target):
         with restored_autocast(ctx.autocast):  # the chunks' logits as the forward formed them
-            return _LseEntropy._backward(ctx, grad_lse, grad_entropy)
+            return _LseEntropy._backward(ctx, grad_lse, grad_entropy, grad_target)
 
     @staticmethod
-    def _backward(ctx, grad_lse, grad_entropy):
-        hidden, weight, bias, entropy = ctx.saved_tensors
-        chunk, softcap, temperature = ctx.chunk, ctx.softcap, ctx.temperature
+    def _backward(ctx, grad_lse, grad_entropy, grad_target):
+        hidden, weight, bias, entropy, pair_pred, pair_target = ctx.saved_tensors
+        chunk, softcap, temperature, edges = ctx.chunk, ctx.softcap, ctx.temperature, ctx.edges
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         acc = _acc(weight)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        for s in range(0, hidden.shape[0], chunk):
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             h = hidden[s : s + chunk]
             raw = _head_output(h, weight, bias)
             logp = torch.log_softmax(_logits(h, weight, bias, softcap, temperature, raw), dim=-1)
@@ -140,6 +151,9 @@ class _LseEntropy(torch.autograd.Function):
                 ge = grad_entropy[s : s + chunk, None].to(acc) * (logp + entropy[s : s + chunk, None])
                 inner = -ge if inner is None else inner - ge
             grad_logits = p * inner if inner is not None else torch.zeros_like(p)
+            a, b = edges[i], edges[i + 1]
+            if grad_target is not None and b > a:  # d target logit / d its logit = 1; pairs distinct
+                grad_logits[pair_pred[a:b] - s, pair_target[a:b]] += grad_target[a:b].to(acc)
             if softcap is not None:
                 grad_logits = _capped_grad(grad_logits, raw, softcap, temperature)
             if need_h:
@@ -152,6 +166,8 @@ class _LseEntropy(torch.autograd.Function):
             grad_hidden,
             grad_weight.to(weight.dtype) if need_w else None,
             grad_bias.to(bias.dtype) if need_b else None,
+            None,
+            None,
             None,
             None,
             None,
@@ -207,25 +223,12 @@ def token_logprobs(
         bias = bias / temperature if bias is not None else None
         temperature = 1.0
     predictor, target = predictor.long(), target.long()
-    lse, entropy = _LseEntropy.apply(hidden, weight, bias, chunk_rows, softcap, temperature)
     # Rows of a shared token repeat one (predictor, target) pair once per trajectory through it:
-    # form each distinct pair's target logit once, so memory is O(pairs x D), not O(rows x D).
+    # each distinct pair's target logit is read once (sorted by predictor, as unique returns them).
     pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
     pair_pred, pair_target = pairs // weight.shape[0], pairs % weight.shape[0]
-    low = autocast_dtype(hidden.device, hidden, weight)
-    if low is not None:  # the target's logit rounded as the head's matmul under autocast rounds it
-        with no_autocast(hidden.device):
-            target_logit = (hidden[pair_pred].to(low).float() * weight[pair_target].to(low).float()).sum(-1)
-            if bias is not None:
-                target_logit = target_logit + bias[pair_target].to(low).float()
-            target_logit = softcap_logits(target_logit.to(low), softcap).to(lse.dtype)
-    else:
-        target_logit = (hidden[pair_pred] * weight[pair_target]).sum(-1).to(lse.dtype)
-        if bias is not None:
-            target_logit = target_logit + bias[pair_target].to(lse.dtype)
-        target_logit = softcap_logits(target_logit, softcap)
-    if temperature != 1.0:
-        target_logit = target_logit / temperature
+    lse, entropy, target_logit = _LseEntropy.apply(hidden, weight, bias, chunk_rows, softcap, temperature,
+                                                   pair_pred, pair_target)  # fmt: skip
     return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 
