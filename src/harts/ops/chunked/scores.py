@@ -29,6 +29,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = ["FACTOR_SPAN", "chunk_prefix_sum", "exclusive_suffix_sum", "intra_chunk_scores"]
 
@@ -165,20 +166,66 @@ def _factored_scores(q, k, g, keys: bool):
 
     The spread test reads one number back from the device (a sync on a GPU, where the fla kernels
     usually run instead)."""
-    C = k.shape[-2]
     G = chunk_prefix_sum(g.double())  # each G_t a direct sum of the chunk's g_0..g_t, in fp64
-    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
-    if float((hi - lo).detach().max()) > FACTOR_SPAN:
+    span = G.detach().amax(-2) - G.detach().amin(-2)
+    if float(span.max()) > FACTOR_SPAN:
         return None
-    mid = (hi + lo) / 2
-    rows = torch.exp(G - mid).float()  # e^{G_t - mid}: within e^{+-20}, rounded once
-    cols = k * torch.exp(mid - G).float()
-    strict = _strict_lower(C, k.dtype, k.device)
-    # The diagonal carries no decay: formed as q_t . k_t, not as e^{G_t - mid} e^{mid - G_t}, whose
-    # two factors' gradients would cancel only to rounding in g's gradient (noise against a small
-    # true gradient: GDN's per-head gate sums it over K).
-    diag = torch.diag_embed((q * k).sum(-1))
-    if not keys:
-        return ((q * rows) @ cols.transpose(-1, -2)) * strict + diag, None
-    P, A = (torch.cat([q * rows, k * rows], -2) @ cols.transpose(-1, -2)).split(C, -2)
-    return P * strict + diag, A * strict
+    if keys:
+        return _FactoredScores.apply(q, k, G, True)
+    return _FactoredScores.apply(q, k, G, False)[0], None
+
+
+class _FactoredScores(torch.autograd.Function):
+    """P (and A when ``keys``) from q, k [..., C, K] and the path sums G [..., C, K] (fp64):
+    with r = e^{G_t - mid}, c = e^{mid - G_j} (mid the midpoint of each chunk's range, so both
+    within e^{+-20}; each formed in fp64 and rounded once to fp32),
+
+        P = ((q r) (k c)^T) * strict + diag(q . k),    A = ((k r) (k c)^T) * strict.
+
+    The diagonal carries no decay: formed as q_t . k_t, not as r_t c_t q_t . k_t, whose two
+    factors' gradients would cancel only to rounding in g's gradient (noise against a small true
+    gradient: GDN's per-head gate sums it over K). Backward keeps q, k, r and c (fp32) and forms
+    the products again; the scores do not depend on mid (its factors cancel), so G's gradient is
+    dr r - dc c.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, G, keys: bool):
+        C = k.shape[-2]
+        mid = (G.amax(-2, keepdim=True) + G.amin(-2, keepdim=True)) / 2
+        r, c = torch.exp(G - mid).float(), torch.exp(mid - G).float()
+        strict = _strict_lower(C, k.dtype, k.device)
+        kc_t = (k * c).transpose(-1, -2)
+        if keys:
+            P, A = (torch.cat([q * r, k * r], -2) @ kc_t).split(C, -2)
+            A = A * strict
+        else:
+            P, A = (q * r) @ kc_t, None
+        P = P * strict + torch.diag_embed((q * k).sum(-1))
+        ctx.save_for_backward(q, k, r, c)
+        ctx.keys = keys
+        return (P, A) if keys else (P,)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_p, grad_a=None):
+        q, k, r, c = ctx.saved_tensors
+        strict = _strict_lower(k.shape[-2], k.dtype, k.device)
+        kc, qr = k * c, q * r
+        dp = grad_p * strict
+        d_diag = grad_p.diagonal(dim1=-2, dim2=-1)[..., None]
+        d_qr = dp @ kc  # [..., C, K]
+        d_kc = dp.transpose(-1, -2) @ qr
+        d_r = d_qr * q
+        dq = d_qr * r + d_diag * k
+        dk = d_diag * q
+        if ctx.keys and grad_a is not None:
+            da = grad_a * strict
+            d_kr = da @ kc
+            d_kc = d_kc + da.transpose(-1, -2) @ (k * r)
+            d_r = d_r + d_kr * k
+            dk = dk + d_kr * r
+        dk = dk + d_kc * c
+        dG = (d_r * r - d_kc * k * c).double()
+        return dq, dk, dG, None
+
