@@ -18,7 +18,10 @@ Defaults: a least-squares fit (relative error) of measured fwd + bwd times of th
 2-core CPU at 2 threads, H = 4, K = V = 32: single calls over W in 1-64, T in 16-1024, C in 8-64,
 whole plans of calls and chunk trees (C in 8-64) of the benchmark's forest shapes, tree and
 flat. ``python -m harts.bench.fit_linear_cost`` measures and fits both halves and prints the fields; its
-median relative error was 13% for calls and 11% for chunk trees. On a GPU slots are nearly free
+median relative error was 13% for calls and 11% for chunk trees. (The fit predates the factored
+intra-chunk scores of :mod:`harts.ops.chunked.scores`; a refit on them moved whole steps within
+noise and raised one tensor peak against flat's, so it was not adopted: docs/benchmarks.md.)
+On a GPU slots are nearly free
 until the device is full and calls and steps dominate: refit there before trusting AUTO.
 """
 
