@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from harts.ops.precision import no_autocast
+
 __all__ = ["FACTOR_SPAN", "chunk_prefix_sum", "exclusive_suffix_sum", "intra_chunk_scores"]
 
 
@@ -209,6 +211,11 @@ class _FactoredScores(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_p, grad_a=None):
+        with no_autocast(grad_p.device):  # fp32 as the forward (a backward called inside autocast)
+            return _FactoredScores._backward(ctx, grad_p, grad_a)
+
+    @staticmethod
+    def _backward(ctx, grad_p, grad_a):
         q, k, r, c = ctx.saved_tensors
         strict = _strict_lower(k.shape[-2], k.dtype, k.device)
         kc, qr = k * c, q * r
