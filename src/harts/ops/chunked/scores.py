@@ -46,16 +46,10 @@ FACTOR_SPAN = 40.0
 
 
 @functools.lru_cache(maxsize=32)
-def _triangle(n: int, strict_upper: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[n, n] 0/1: ones above the diagonal (``strict_upper``), or on and below it."""
+def _triangle(n: int, upper: bool, diagonal: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, n] 0/1: ``torch.ones(n, n).triu(diagonal)`` if ``upper`` else ``.tril(diagonal)``."""
     ones = torch.ones(n, n, dtype=dtype, device=device)
-    return ones.triu(1) if strict_upper else ones.tril()
-
-
-@functools.lru_cache(maxsize=32)
-def _strict_lower(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[n, n] 0/1: ones below the diagonal."""
-    return torch.ones(n, n, dtype=dtype, device=device).tril(-1)
+    return ones.triu(diagonal) if upper else ones.tril(diagonal)
 
 
 def _by_product(x: torch.Tensor, dim: int) -> bool:
@@ -74,7 +68,7 @@ def chunk_prefix_sum(x: torch.Tensor) -> torch.Tensor:
     """
     if not _by_product(x, -2):
         return x.cumsum(-2)
-    return torch.matmul(_triangle(x.shape[-2], False, x.dtype, x.device), x)
+    return torch.matmul(_triangle(x.shape[-2], False, 0, x.dtype, x.device), x)
 
 
 def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -86,7 +80,7 @@ def exclusive_suffix_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     inputs. Elsewhere, cumulative sums from the end.
     """
     if _by_product(x, dim):
-        return torch.matmul(_triangle(x.shape[dim], True, x.dtype, x.device), x)
+        return torch.matmul(_triangle(x.shape[dim], True, 1, x.dtype, x.device), x)
     inclusive = x.flip(dim).cumsum(dim).flip(dim)
     dim = dim % x.dim()
     # shift by one towards the start, a zero last: (0, 0) for each dimension after ``dim``, then (0, 1)
@@ -169,18 +163,19 @@ def _factored_scores(q, k, g, keys: bool):
     The spread test reads one number back from the device (a sync on a GPU, where the fla kernels
     usually run instead)."""
     G = chunk_prefix_sum(g.double())  # each G_t a direct sum of the chunk's g_0..g_t, in fp64
-    span = G.detach().amax(-2) - G.detach().amin(-2)
-    if float(span.max()) > FACTOR_SPAN:
+    hi, lo = G.detach().amax(-2, keepdim=True), G.detach().amin(-2, keepdim=True)
+    if float((hi - lo).max()) > FACTOR_SPAN:
         return None
+    mid = (hi + lo) / 2  # the scores do not depend on it (its factors cancel): no gradient
     if keys:
-        return _FactoredScores.apply(q, k, G, True)
-    return _FactoredScores.apply(q, k, G, False)[0], None
+        return _FactoredScores.apply(q, k, G, mid, True)
+    return _FactoredScores.apply(q, k, G, mid, False)[0], None
 
 
 class _FactoredScores(torch.autograd.Function):
-    """P (and A when ``keys``) from q, k [..., C, K] and the path sums G [..., C, K] (fp64):
-    with r = e^{G_t - mid}, c = e^{mid - G_j} (mid the midpoint of each chunk's range, so both
-    within e^{+-20}; each formed in fp64 and rounded once to fp32),
+    """P (and A when ``keys``) from q, k [..., C, K], the path sums G [..., C, K] (fp64) and
+    ``mid`` [..., 1, K], the midpoint of each chunk's range: with r = e^{G_t - mid} and
+    c = e^{mid - G_j} (both within e^{+-20}; each formed in fp64 and rounded once to fp32),
 
         P = ((q r) (k c)^T) * strict + diag(q . k),    A = ((k r) (k c)^T) * strict.
 
@@ -192,11 +187,10 @@ class _FactoredScores(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, G, keys: bool):
+    def forward(ctx, q, k, G, mid, keys: bool):
         C = k.shape[-2]
-        mid = (G.amax(-2, keepdim=True) + G.amin(-2, keepdim=True)) / 2
         r, c = torch.exp(G - mid).float(), torch.exp(mid - G).float()
-        strict = _strict_lower(C, k.dtype, k.device)
+        strict = _triangle(C, False, -1, k.dtype, k.device)
         kc_t = (k * c).transpose(-1, -2)
         if keys:
             P, A = (torch.cat([q * r, k * r], -2) @ kc_t).split(C, -2)
@@ -217,7 +211,7 @@ class _FactoredScores(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_p, grad_a):
         q, k, r, c = ctx.saved_tensors
-        strict = _strict_lower(k.shape[-2], k.dtype, k.device)
+        strict = _triangle(k.shape[-2], False, -1, k.dtype, k.device)
         kc, qr = k * c, q * r
         dp = grad_p * strict
         d_diag = grad_p.diagonal(dim1=-2, dim2=-1)[..., None]
@@ -234,5 +228,5 @@ class _FactoredScores(torch.autograd.Function):
             dk = dk + d_kr * r
         dk = dk + d_kc * c
         dG = (d_r * r - d_kc * k * c).double()
-        return dq, dk, dG, None
+        return dq, dk, dG, None, None
 
