@@ -20,9 +20,9 @@ whole plans of calls and chunk trees (C in 8-64) of the benchmark's forest shape
 flat. ``python -m harts.bench.fit_linear_cost`` measures and fits both halves and prints the fields; its
 median relative error was 13% for calls and 11% for chunk trees. (The fit predates the factored
 intra-chunk scores of :mod:`harts.ops.chunked.scores`; a refit on them moved whole steps within
-noise and raised one tensor peak against flat's, so it was not adopted: docs/benchmarks.md.)
-On a GPU slots are nearly free
-until the device is full and calls and steps dominate: refit there before trusting AUTO.
+noise and raised one tensor peak against flat's, so it was not adopted: docs/benchmarks.md.) On
+a GPU slots are nearly free until the device is full and calls and steps dominate: refit there
+before trusting AUTO.
 """
 
 from __future__ import annotations

@@ -167,9 +167,8 @@ def _factored_scores(q, k, g, keys: bool):
     if float((hi - lo).max()) > FACTOR_SPAN:
         return None
     mid = (hi + lo) / 2  # the scores do not depend on it (its factors cancel): no gradient
-    if keys:
-        return _FactoredScores.apply(q, k, G, mid, True)
-    return _FactoredScores.apply(q, k, G, mid, False)[0], None
+    out = _FactoredScores.apply(q, k, G, mid, keys)
+    return out if keys else (out[0], None)
 
 
 class _FactoredScores(torch.autograd.Function):
