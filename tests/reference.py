@@ -237,6 +237,16 @@ def _stock_row_loss(model, trajectories, loss_fn, exact: bool, temperature: floa
         return logprob, entropy, loss_fn(logprob, entropy)
 
 
+def row_loss_cancellation(model, trajectories, loss_fn, temperature: float = 1.0) -> Callable:
+    """The ``cancellation`` of :func:`gradient_failures` for the loss of :func:`stock_row_loss_grads`:
+    names -> {name: kappa} from its fp64 run (:func:`token_cancellation`)."""
+
+    def fp64_loss(model64):
+        return _stock_row_loss(model64, trajectories, loss_fn, True, temperature)[2]
+
+    return lambda names: token_cancellation(fp64_copy(model), fp64_loss, names)
+
+
 def grad_relative_errors(got: dict, ref: dict) -> dict[str, float]:
     """||got - ref|| / max(||ref||, GRAD_FLOOR) per parameter."""
     errors = {}
@@ -372,12 +382,7 @@ def split_gradient_failures(
     exact = stock_row_loss_grads(model, trajectories, loss_fn, exact=True)[2]
     stock32 = stock_row_loss_grads(model, trajectories, loss_fn, exact=False)[2]
 
-    def fp64_loss(model64):
-        return _stock_row_loss(model64, trajectories, loss_fn, exact=True)[2]
-
-    def cancellation(names):
-        return token_cancellation(fp64_copy(model), fp64_loss, names)
-
+    cancellation = row_loss_cancellation(model, trajectories, loss_fn)
     failures = {}
     for label, got in (("budgeted", budgeted), ("unbudgeted", whole)):
         for name, why in gradient_failures(got, exact, stock32, cancellation).items():
