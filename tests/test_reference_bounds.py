@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harts.adapters.base import supported_families
 from tests.reference import (
     GRAD_RTOL,
     cached_model,
@@ -75,6 +76,7 @@ def test_the_bound_widens_by_the_factor_and_only_for_parameters_that_miss():
     assert asked == ["p"]
 
 
+@pytest.mark.skipif("bailing_hybrid" not in supported_families(), reason="transformers lacks bailing_hybrid")
 def test_a_real_gate_decomposes_and_its_convolution_does_not():
     """bailing_hybrid's KDA forget gate acts token by token, its short convolution does not."""
     model = cached_model("bailing_hybrid")
