@@ -381,7 +381,6 @@ def split_gradient_failures(
         return {}, direct
     exact = stock_row_loss_grads(model, trajectories, loss_fn, exact=True)[2]
     stock32 = stock_row_loss_grads(model, trajectories, loss_fn, exact=False)[2]
-
     cancellation = row_loss_cancellation(model, trajectories, loss_fn)
     failures = {}
     for label, got in (("budgeted", budgeted), ("unbudgeted", whole)):

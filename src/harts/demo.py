@@ -212,8 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     # 3. memory: the tree's default keeps the shared prefix's graph for the parts that read it,
     # so its step peaks above one part; hold_tokens=0 runs that part forward again instead
     no_hold = harts.RunConfig(budget_tokens=args.budget, hold_tokens=0)
-    fns["tree_no_hold"] = lambda: harts.rollout_step(model, rollouts, SFT, run=no_hold)
-    peaks = {name: peak_mib(model, fns[name]) for name in ("tree", "tree_no_hold", best)}
+
+    def tree_no_hold():
+        return harts.rollout_step(model, rollouts, SFT, run=no_hold)
+
+    steps = {"tree": fns["tree"], "tree_no_hold": tree_no_hold, best: fns[best]}
+    peaks = {name: peak_mib(model, step) for name, step in steps.items()}
     print(f"tensor peak of one step: tree {peaks['tree']:.1f} MiB (default: keeps the graphs later parts "
           f"read), {peaks['tree_no_hold']:.1f} MiB with RunConfig(hold_tokens=0) (runs those parts forward "
           f"again); flat {peaks[best]:.1f} MiB")  # fmt: skip
