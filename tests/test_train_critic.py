@@ -37,7 +37,6 @@ from harts.trainer.config import load_config
 from harts.trainer.critic import CRITIC_DIR, VALUE_HEAD_ARCHITECTURE, load_critic
 from harts.trainer.inputs import own_memory, rollout_steps
 from harts.trainer.loop import train
-from harts.trainer.processes import Ranks
 from tests.helpers import (
     ROOT,
     group_spans,
@@ -283,15 +282,6 @@ def test_critic_directories_that_are_refused(tmp_path, capsys):
     assert f"critic.model: {tmp_path / 'absent'}: not a local Hugging Face model directory" in (
         capsys.readouterr().err
     )
-
-
-def test_torchrun_is_refused(tmp_path, monkeypatch):
-    """[critic] runs on one process, as [reference] and [ppo] do (a pretended second rank here)."""
-    import harts.trainer.loop as loop
-
-    monkeypatch.setattr(loop, "start_ranks", lambda *args: Ranks(0, 2, "ddp", "cost"))
-    with pytest.raises(ValueError, match=r"\[critic\] runs on one process: .* without torchrun"):
-        train(load_config(_config(tmp_path, "qwen3")), tmp_path / "out", log=io.StringIO())
 
 
 def test_the_example_runs(tmp_path):

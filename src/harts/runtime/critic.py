@@ -30,7 +30,6 @@ from torch import nn
 
 from harts.forest import Forest
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import resolve_model
 from harts.runtime.forward_only import (
     PositionScatter,
     RowLogprobs,
@@ -73,7 +72,7 @@ class ForestScores:
 
 
 def _head(model: nn.Module, what: str) -> nn.Module:
-    return scalar_head(resolve_model(forward_only_model(model)), what)
+    return scalar_head(forward_only_model(model), what)
 
 
 def forward_values(
@@ -136,7 +135,7 @@ def score(
     """
     head = _head(reward_model, "score")
     forest, _ = forest_and_masks(inputs, share_prefixes)
-    config = resolve_model(forward_only_model(reward_model)).config
+    config = forward_only_model(reward_model).config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     positions = score_positions(forest, getattr(text_config, "pad_token_id", None))
     predictor = torch.stack([forest.trajectory_token_indices(i)[q] for i, q in enumerate(positions)])

@@ -48,6 +48,7 @@ from harts.runtime.sharded import ShardedStep
 
 __all__ = [
     "DataParallel", "all_reduce_sum", "close_process_group", "data_parallel", "data_parallel_step",
+    "forward_only_step",
     "unwrap_data_parallel", "warn_unwrapped",
 ]  # fmt: skip
 
@@ -237,7 +238,8 @@ def _check_fsdp_units(model: nn.Module, causal_lm: nn.Module, modules: list[nn.M
 
 
 @contextlib.contextmanager
-def _fsdp_step(dp: DataParallel, overlap: bool) -> Iterator[tuple[nn.Module, DataParallel]]:
+def _fsdp_step(dp: DataParallel, overlap: bool, forward_only: bool = False
+               ) -> Iterator[tuple[nn.Module, DataParallel]]:  # fmt: skip
     from harts.adapters import adapter_for
 
     model = dp.wrapper
@@ -246,7 +248,7 @@ def _fsdp_step(dp: DataParallel, overlap: bool) -> Iterator[tuple[nn.Module, Dat
         causal_lm = resolve_model(model)  # a peft model's causal LM; the model itself otherwise
     _check_fsdp_units(model, causal_lm, modules)
     layers = list(adapter_for(causal_lm).backbone(causal_lm).layers[: causal_lm.config.num_hidden_layers])
-    step = ShardedStep(model, layers, modules, dp.group, overlap=overlap)
+    step = ShardedStep(model, layers, modules, dp.group, overlap=overlap, forward_only=forward_only)
     step.begin()
     try:
         with sharded_step(model):
@@ -255,6 +257,23 @@ def _fsdp_step(dp: DataParallel, overlap: bool) -> Iterator[tuple[nn.Module, Dat
         step.abort()
         raise
     step.end()
+
+
+@contextlib.contextmanager
+def forward_only_step(model: nn.Module, overlap: bool = True
+                      ) -> Iterator[tuple[nn.Module, ShardedStep | None]]:  # fmt: skip
+    """``(module, sharded)`` for a pass without autograd on ``model``: DDP's module (no gradient
+    to synchronise) or a plain model with ``sharded`` None; an FSDP2 model with its units gathered
+    layer by layer in lock step with the other ranks (every rank must enter, one with no trees
+    too: it stands in for the others' gathers), nothing summed."""
+    dp = data_parallel(model)
+    if dp is None:
+        yield model, None
+    elif dp.kind == "ddp":
+        yield dp.wrapper.module, None
+    else:
+        with _fsdp_step(dp, overlap, forward_only=True) as (module, sharded_dp):
+            yield module, sharded_dp.sharded
 
 
 @contextlib.contextmanager

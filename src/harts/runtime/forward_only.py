@@ -24,8 +24,11 @@ target id each), for callers that choose their rows (:func:`harts.integrations.b
 It always runs without autograd, under ``torch.no_grad()`` or not, and returns tensors without a
 graph: for log-probs to differentiate use :func:`harts.forward` (one micro-batch) or
 :func:`harts.forest_backward` (any budget). A DDP wrapper is run through its module (a
-forward-only pass has no gradient to synchronise); a model sharded by FSDP2's ``fully_shard`` is
-refused here (its units would need gathering, which only harts' data-parallel step does).
+forward-only pass has no gradient to synchronise). A model sharded by FSDP2's ``fully_shard`` runs
+with its units gathered one decoder layer at a time, as the training step gathers them
+(:func:`harts.runtime.distributed.forward_only_step`): the gathers are collectives, so every rank
+of the mesh calls the pass at the same time, each on its own trajectories (a rank with none
+calls :func:`stand_in_forward_only`), and a rank holds its shards plus a layer or two whole.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
 from harts.runtime.backward import PartObserver, StepParts, check_rows
 from harts.runtime.config import RunConfig
+from harts.runtime.distributed import forward_only_step
 from harts.runtime.executor import check_inputs, resolve_model, run_backend
+from harts.runtime.model_checks import sharded_step
 from harts.runtime.readout import Readout, readout_for
 
-__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs"]
+__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs",
+           "stand_in_forward_only"]  # fmt: skip
 
 Tensor = torch.Tensor
 
@@ -96,20 +102,21 @@ class ForestLogprobs:
 
 
 def forward_only_model(model: nn.Module) -> nn.Module:
-    """The module a forward-only pass runs: DDP's module (no gradient to synchronise); an FSDP2
-    model with sharded parameters refused."""
+    """The causal LM (or critic) a forward-only pass runs: DDP's module (no gradient to
+    synchronise), an FSDP2 model's own (its units gathered by the pass), compile and peft
+    wrappers removed (:func:`~harts.runtime.executor.resolve_model`)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
-    if any(c.__name__ == "FSDPModule" for c in type(model).__mro__) and any(
-        type(p).__name__ == "DTensor" for p in model.parameters()
-    ):
-        raise ValueError(
-            "forest_logprobs does not run a model sharded by FSDP2's fully_shard: its units would need "
-            "gathering layer by layer, which only harts' data-parallel step does "
-            "(harts.runtime.distributed.data_parallel_step); run the pass on an unsharded copy of the "
-            "weights, or through verl's harts engine, whose forward-only passes gather the units"
-        )
-    return model
+    with sharded_step(model):
+        return resolve_model(model)
+
+
+def stand_in_forward_only(model: nn.Module, run: RunConfig | None = None) -> None:
+    """A rank's share of a forward-only pass when it has no trajectories: under FSDP2 it still
+    takes part in the other ranks' gathers (nothing computed); nothing to do otherwise."""
+    run = RunConfig.resolve(run, None)
+    with forward_only_step(model, run.fsdp_overlap):
+        pass
 
 
 def forest_row_logprobs(
@@ -151,12 +158,13 @@ def forest_row_readout(
     start = time.perf_counter()
     run = RunConfig.resolve(run, budget_tokens)
     temperature = check_temperature(temperature)
-    model = resolve_model(forward_only_model(model))
+    wrapped, model = model, forward_only_model(model)
     check_inputs(model, forest)
     readout = readout_for(model, readout, temperature)
     predictor, target = check_rows(forest, predictor, target, readout)
-    with torch.no_grad(), run_backend(run, model):
-        parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout)
+    gathered = forward_only_step(wrapped, run.fsdp_overlap)
+    with torch.no_grad(), gathered as (_, sharded), run_backend(run, model):
+        parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout, sharded)
         parts.forward_only()
     timings = {
         "plan": parts.clock.seconds["plan"] + parts.layout_seconds,

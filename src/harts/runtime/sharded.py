@@ -13,6 +13,8 @@ harts runs a model's parts itself, so FSDP2's forward hooks never fire. Under
   parameter's ``.grad`` (a DTensor) before the unit is resharded. Saved activations that are the
   parameters themselves share the unsharded storage that the gather refills, as under FSDP2.
 - The outer units' gradients are summed once, when the step ends; then they are resharded.
+- A forward-only pass (``forward_only=True``: old, reference and critic values, eval) runs the
+  same gathers in the same lock step and sums nothing.
 
 Every gather and sum is a collective, so every rank must issue the same sequence of them, while
 ranks hold different trees and run different numbers of forwards and backwards. Before each
@@ -121,7 +123,8 @@ class ShardedStep:
     """One step of an FSDP2 model with its units gathered layer by layer (module docstring)."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None,
-                 overlap: bool = True):  # fmt: skip
+                 overlap: bool = True, forward_only: bool = False):  # fmt: skip
+        self.forward_only = forward_only  # no backward on any rank: no gradient sum at the end
         layer_ids = {id(m) for m in layers}
         self.group = group
         self.layers: list[_Unit | None] = []
@@ -152,6 +155,10 @@ class ShardedStep:
         and leave ``.grad`` None where no rank produced a gradient."""
         self.lockstep.finish()
         self._drop_pending()
+        if self.forward_only:  # every rank: the same code path, so the same (absent) collectives
+            for m in self.outer_modules:
+                m.reshard()
+            return
         self._reduce(self.outer)
         for m in self.outer_modules:
             m.reshard()

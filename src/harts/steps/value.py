@@ -13,6 +13,11 @@ computed once and each trajectory's own returns and rollout-time values apply to
 a sum of per-row terms over the step's normalisers, so :func:`harts.forest_backward` runs every
 micro-batch forward and backward once, cut trees too, and any budget gives the gradients of no
 budget: the same engine as the policy step, with a different head read.
+
+A critic wrapped in DDP or sharded by FSDP2 trains as the policy does on several ranks: each rank
+runs its own rollouts, the normalisers are the whole step's (summed over the ranks), the
+gradients are summed (FSDP2: each decoder layer's unit gathered around its forward and backward),
+and the loss and metrics returned are the whole step's on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from harts.objectives.rows import LossRows
 from harts.objectives.values import ValueLossConfig, check_value_rows, explained_variance, value_loss
 from harts.runtime.backward import StepResult, forest_backward
 from harts.runtime.config import RunConfig
-from harts.runtime.executor import model_device, resolve_model
+from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step
+from harts.runtime.executor import model_device
+from harts.runtime.forward_only import forward_only_model
 from harts.runtime.readout import ScalarReadout, scalar_head
 from harts.steps.policy import step_inputs
 
@@ -80,22 +87,54 @@ def value_step(
     if not isinstance(config, ValueLossConfig):
         raise TypeError(f"expected a ValueLossConfig, got {type(config).__name__}")
     run = RunConfig.resolve(run, budget_tokens)
-    model = resolve_model(critic)
+    model = forward_only_model(critic)  # the module harts runs, whatever the wrapper
     head = scalar_head(model, "value_step")
     forest, rows = step_inputs(model, rollouts, share_prefixes)
     check_value_rows(rows, config)
-    if normalizers is None:
-        normalizers = normalizers_for(rows)
+    dp = data_parallel(critic)
+    if normalizers is None:  # the whole step's counts: every rank's rows
+        normalizers = normalizers_for(rows, all_reduce=dp.all_reduce_sum if dp is not None else None)
     elif not isinstance(normalizers, Normalizers):
         raise TypeError(f"expected Normalizers (see normalizers_for), got {type(normalizers).__name__}")
     rows = rows.to(model_device(model))
     loss = _ValueLoss(rows, config, normalizers)
-    result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
-                             readout=ScalarReadout(head))  # fmt: skip
+    with data_parallel_step(critic, overlap=run.fsdp_overlap) as (_, dp):
+        result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
+                                 readout=ScalarReadout(head), sharded=dp.sharded if dp is not None else None)
     result.rows = rows
     result.value = result.logprob
-    result.metrics["explained_variance"] = explained_variance(result.value, rows.value_target).to(
-        result.loss.dtype
-    )
+    if dp is None:
+        variance = explained_variance(result.value, rows.value_target)
+    else:
+        _sum_metrics(result, dp)
+        variance = _explained_variance_over_ranks(result.value, rows.value_target, dp)
+    result.metrics["explained_variance"] = variance.to(result.loss.dtype)
     result.batch_layout = getattr(rollouts, "layout", None)
     return result
+
+
+def _sum_metrics(result: StepResult, dp: DataParallel) -> None:
+    """The loss and metrics of the whole step on every rank: each rank's are sums over the step's
+    normalisers, so they add up."""
+    names = sorted(n for n in result.metrics if n != "loss")
+    values = torch.stack([result.loss.detach().double().reshape(())]
+                         + [result.metrics[n].double().reshape(()) for n in names])  # fmt: skip
+    dp.all_reduce_sum(values)
+    result.loss = values[0].to(result.loss.dtype)
+    for n, v in zip(names, values[1:], strict=True):
+        result.metrics[n] = v.to(result.metrics[n].dtype)
+    if "loss" in result.metrics:
+        result.metrics["loss"] = result.loss
+
+
+def _explained_variance_over_ranks(value: Tensor, target: Tensor, dp: DataParallel) -> Tensor:
+    """:func:`explained_variance` over every rank's rows, from their summed moments (fp64)."""
+    value, target = value.detach().double(), target.detach().double()
+    error = target - value
+    moments = torch.stack([torch.tensor(float(target.numel()), dtype=torch.float64), target.sum(),
+                           (target * target).sum(), error.sum(), (error * error).sum()])  # fmt: skip
+    n, r, rr, e, ee = dp.all_reduce_sum(moments.cpu()).tolist()
+    if n == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64)
+    var = rr / n - (r / n) ** 2
+    return torch.tensor(1 - (ee / n - (e / n) ** 2) / var if var > 0 else float("nan"), dtype=torch.float64)

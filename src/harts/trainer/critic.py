@@ -28,7 +28,15 @@ Why each piece is as it is:
   state dict, ``model.*`` and ``score.*``), which ``safetensors.torch.load_model(
   harts.ValueHead(AutoModelForCausalLM.from_config(config)), path)`` loads;
 - the critic trains in train mode like the policy (dropout 0: the model checks refuse an active
-  one), on one process (refused under torchrun).
+  one);
+- on several ranks (torchrun) it is held as the policy is (DDP, or FSDP2 with each decoder layer
+  its own unit): its values are computed by each rank for its own trees and exchanged once
+  (:mod:`harts.trainer.rank_passes`), and each update runs ``value_step`` on the rank's trees of
+  the update (the policy's assignment) with the whole update's normalisers, its gradients summed
+  over the ranks;
+- its optimizer state is saved with ``torch.distributed.checkpoint`` in ``critic/state`` (each rank
+  its shard under FSDP2), so a run on any number of ranks resumes from it, one process included;
+  its schedule in ``trainer_state.pt``.
 """
 
 from __future__ import annotations
@@ -54,7 +62,9 @@ from harts.steps.value import value_step
 from harts.trainer.config import ModelConfig, ObjectiveConfig, OptimizerConfig, TrainConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
 from harts.trainer.optim import build_optimizers
-from harts.trainer.run import TrainingDiverged
+from harts.trainer.processes import Ranks, full_model_state, load_state, plain_class, save_state, wrap_model
+from harts.trainer.rank_passes import over_ranks, rank_share
+from harts.trainer.run import TrainingDiverged, clip_gradients, collective
 from harts.trainer.sections import CriticSection
 
 __all__ = ["Critic", "load_critic", "save_critic", "with_gae", "CRITIC_DIR", "VALUE_HEAD_ARCHITECTURE"]
@@ -176,19 +186,24 @@ def load_critic(section: CriticSection, policy: ModelConfig, seed: int, checkpoi
     return critic.train()
 
 
-def save_critic(critic: nn.Module, directory: Path) -> None:
-    """``critic`` into ``directory`` (module docstring: what loads it)."""
+def save_critic(critic: nn.Module, directory: Path, whole: dict | None = None) -> None:
+    """``critic`` into ``directory`` (module docstring: what loads it); ``whole``: its state
+    gathered from the ranks (an FSDP2-sharded critic), else read from the module."""
     if isinstance(critic, ValueHead):
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
         directory.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(critic.config)
         config.architectures = [VALUE_HEAD_ARCHITECTURE]
         config.save_pretrained(directory)
-        save_model(critic, str(directory / _WEIGHTS), metadata={"format": "pt"})
+        if whole is None:
+            save_model(critic, str(directory / _WEIGHTS), metadata={"format": "pt"})
+        else:
+            tensors = {k: v.detach().contiguous() for k, v in whole.items()}
+            save_file(tensors, str(directory / _WEIGHTS), metadata={"format": "pt"})
         return
-    with quiet_transformers():
-        critic.save_pretrained(directory, safe_serialization=True)
+    with quiet_transformers(), plain_class(critic):
+        critic.save_pretrained(directory, safe_serialization=True, state_dict=whole)
 
 
 def with_gae(policy: nn.Module, rollouts: list[Rollout], values: list[torch.Tensor],
@@ -210,9 +225,13 @@ class Critic:
     """The run's critic: its model, optimizer and schedule (over the run's ``total`` updates),
     value loss and micro-batches; its values of a step and its update on an update's rollouts."""
 
-    def __init__(self, config: TrainConfig, total: int, checkpoint: Path | None = None):
+    def __init__(self, config: TrainConfig, total: int, checkpoint: Path | None = None,
+                 ranks: Ranks | None = None):  # fmt: skip
         section = self.section = config.critic
+        self.ranks = ranks
         self.model = load_critic(section, config.model, config.seed, checkpoint)
+        # DDP wraps it; FSDP2 shards it in place (the optimizer then steps the shards)
+        self.wrapped = wrap_model(self.model, ranks) if ranks is not None else self.model
         optimizer = OptimizerConfig(kind="adamw", lr=section.lr, weight_decay=section.weight_decay,
                                     betas=section.betas, eps=section.eps,
                                     master_weights=config.optimizer.master_weights)  # fmt: skip
@@ -234,17 +253,25 @@ class Critic:
                 f"{self.loss.aggregation.value}; its values computed before each step's updates, its "
                 f"update after each policy update")  # fmt: skip
 
-    def values(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
-        """The critic's value of every position of each rollout (``harts.forward_values``), on the CPU."""
-        return [v.detach().cpu() for v in forward_values(self.model, rollouts, run=self.run).values]
+    def values(self, rollouts: list[Rollout], ranks: Ranks | None = None) -> list[torch.Tensor]:
+        """The critic's value of every position of each rollout (``harts.forward_values``), on the
+        CPU; with ``ranks``, each rank's trees computed there and exchanged once."""
+
+        def compute(share: list[Rollout]) -> list[torch.Tensor]:
+            return [v.detach().cpu() for v in forward_values(self.wrapped, share, run=self.run).values]
+
+        return over_ranks(ranks, self.wrapped, self.run, rollouts, compute)
 
     def update(self, rollouts: list[Rollout], step: int) -> dict:
-        """``value_step`` on ``rollouts`` (their returns and rollout-time values), clipping, the
-        optimizer and schedule step; the metrics of update ``step``."""
+        """``value_step`` on ``rollouts`` (their returns and rollout-time values; on several ranks
+        this rank's trees of them, the normalisers and gradients the whole update's), clipping,
+        the optimizer and schedule step; the metrics of update ``step``."""
         began = time.perf_counter()
-        result = value_step(self.model, rollouts, self.loss, run=self.run)
-        norm = torch.nn.utils.clip_grad_norm_(self.optim.take_gradients(), self.max_grad_norm)
-        grad_norm, loss = float(norm), float(result.loss)
+        if self.ranks is not None:
+            rollouts = [rollouts[i] for i in rank_share(rollouts, self.ranks)]
+        result = collective(value_step, self.wrapped, rollouts, self.loss, run=self.run)
+        grad_norm = collective(clip_gradients, self.optim.take_gradients(), self.max_grad_norm)
+        loss = float(result.loss)
         if not (math.isfinite(grad_norm) and math.isfinite(loss)):
             raise TrainingDiverged(f"step {step}: the critic's value loss {loss}, gradient norm "
                                    f"{grad_norm}: not finite; stopped before its update (the last "
@@ -257,20 +284,38 @@ class Critic:
         return {**metrics, "critic_grad_norm": grad_norm, "critic_lr": lr,
                 "critic_seconds": time.perf_counter() - began}  # fmt: skip
 
-    def state_dict(self) -> dict:
-        """What ``trainer_state.pt`` keeps of the critic: its optimizer, schedule (and master
-        weights), and the parameters it trains, by name."""
-        return {"optimizers": self.optim.state_dict(), "params": self.param_names}
+    def save(self, directory: Path) -> None:
+        """The critic into a checkpoint's ``directory/critic``: its optimizer state (and master
+        weights) in ``critic/state`` by every rank, the model by the main one."""
+        save_state(directory / CRITIC_DIR, self.wrapped, self.optim)
+        whole = full_model_state(self.wrapped, self.ranks)
+        if self.ranks is None or self.ranks.main:
+            save_critic(self.model, directory / CRITIC_DIR, whole)
 
-    def load_state_dict(self, state: dict | None, checkpoint: str) -> None:
+    def state_dict(self) -> dict:
+        """What ``trainer_state.pt`` keeps of the critic: its schedule, whether it steps master
+        weights, and the parameters it trains, by name (the optimizer state is in ``critic/state``)."""
+        return {"schedulers": self.optim.scheduler_state(), "params": self.param_names,
+                "master_weights": self.optim.masters is not None}  # fmt: skip
+
+    def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
+        """Restore what :meth:`save` and :meth:`state_dict` wrote into ``checkpoint``, resharded to
+        this run's ranks (a checkpoint that kept the optimizer in ``state["optimizers"]`` too)."""
+        name = checkpoint.name
         if state is None:
-            raise ValueError(f"critic: {checkpoint} holds no critic state: resume with the config the run "
+            raise ValueError(f"critic: {name} holds no critic state: resume with the config the run "
                              f"started with")  # fmt: skip
         if state["params"] != self.param_names:
             differ = sorted(set(state["params"]) ^ set(self.param_names))[:3]
-            raise ValueError(f"critic: {checkpoint}'s critic optimizer trained other parameters (they differ "
+            raise ValueError(f"critic: {name}'s critic optimizer trained other parameters (they differ "
                              f"in {', '.join(differ) or 'order'})")  # fmt: skip
         try:
-            self.optim.load_state_dict(state["optimizers"])
+            if "optimizers" in state:
+                self.optim.load_state_dict(state["optimizers"])
+                return
+            self.optim.check_masters(state.get("master_weights", False))
+            load_state(checkpoint / CRITIC_DIR, self.wrapped, self.optim)
+            self.optim.own_memory()
+            self.optim.load_scheduler_state(state["schedulers"])
         except ValueError as exc:
             raise ValueError(f"critic: {exc}") from None

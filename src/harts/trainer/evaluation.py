@@ -15,7 +15,8 @@ reduced over every loss token of the file:
 Why these and not the objective's loss: a PPO loss on held-out data needs advantages and old
 log-probs that a held-out file does not have; the log-prob is what the policy puts on the
 held-out behaviour. The file is read and checked when the run starts (before the model loads),
-so a bad line stops the run with its line named before any step. The reduction runs in fp64
+so a bad line stops the run with its line named before any step. On several ranks each rank
+scores its own trees of the file (:mod:`harts.trainer.rank_passes`). The reduction runs in fp64
 over the fp32 log-probs, so the figures differ from the exact ones by the log-probs' own error.
 """
 
@@ -33,6 +34,8 @@ from harts.objectives.rollout import Rollout
 from harts.runtime.config import RunConfig
 from harts.runtime.forward_only import forest_logprobs
 from harts.trainer.config import TrainConfig
+from harts.trainer.processes import Ranks
+from harts.trainer.rank_passes import over_ranks
 
 __all__ = ["Evaluation"]
 
@@ -60,20 +63,27 @@ class Evaluation:
     def due(self, step: int, total: int) -> bool:
         return step % self.every == 0 or step == total
 
-    def _logprobs(self, model: nn.Module) -> torch.Tensor:
-        out = forest_logprobs(model, self.rollouts, run=self.run, temperature=self.temperature,
-                              loss_positions_only=True)  # fmt: skip
-        scored = zip(out.logprobs, self.masks, strict=True)
-        return torch.cat([lp.detach().cpu().double()[m] for lp, m in scored])
+    def _logprobs(self, model: nn.Module, ranks: Ranks | None) -> torch.Tensor:
+        def compute(share: list[Rollout]) -> list[torch.Tensor]:
+            out = forest_logprobs(model, share, run=self.run, temperature=self.temperature,
+                                  loss_positions_only=True)  # fmt: skip
+            return [lp.detach().cpu() for lp in out.logprobs]
 
-    def __call__(self, model: nn.Module, reference: nn.Module | None = None) -> dict:
-        """``eval/*`` metrics of ``model`` (and the KL to ``reference``) on the eval file."""
+        logprobs = over_ranks(ranks, model, self.run, self.rollouts, compute)
+        scored = zip(logprobs, self.masks, strict=True)
+        return torch.cat([lp.double()[m] for lp, m in scored])
+
+    def __call__(self, model: nn.Module, reference: nn.Module | None = None,
+                 ranks: Ranks | None = None) -> dict:  # fmt: skip
+        """``eval/*`` metrics of ``model`` (and the KL to ``reference``) on the eval file; with
+        ``ranks`` (every rank calls it), each rank scores its own trees of the file and the
+        log-probs are exchanged once, so every rank reduces the whole file's, as one process does."""
         began = time.perf_counter()
-        logprobs = self._logprobs(model)
+        logprobs = self._logprobs(model, ranks)
         mean = float(logprobs.mean())
         record = {"eval/loss": -mean, "eval/logprob": mean, "eval/tokens": self.tokens}
         if reference is not None:
-            ref = self._logprobs(reference)
+            ref = self._logprobs(reference, ranks)
             record["eval/kl"] = float(kl_penalty(logprobs, ref, self.estimator).mean())
         record["eval/seconds"] = time.perf_counter() - began
         return record

@@ -51,7 +51,7 @@ from harts.steps.policy import forest_step, step_inputs
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
-from harts.trainer.critic import CRITIC_DIR, Critic, save_critic
+from harts.trainer.critic import CRITIC_DIR, Critic
 from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
     Position,
@@ -69,7 +69,7 @@ from harts.trainer.inputs import (
 from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
 from harts.trainer.optim import freeze_routers
-from harts.trainer.ppo import StepUpdates, load_reference, weights_sha256
+from harts.trainer.ppo import StepUpdates, load_reference, shard_reference, weights_sha256
 from harts.trainer.processes import (
     Ranks,
     full_model_state,
@@ -205,19 +205,6 @@ class _Train(Run):
     def setup(self, resume: bool) -> Checkpoint | None:
         config = self.config
         # the whole file checked (the model's vocabulary, the objective's fields) before anything runs
-        if self.ranks is not None and (config.reference is not None or config.ppo is not None):
-            raise ValueError("[reference] and [ppo] run on one process: their forward-only passes are not "
-                             "split over ranks yet; start harts train without torchrun")  # fmt: skip
-        if self.ranks is not None and (config.eval is not None or config.samples is not None):
-            raise ValueError("[eval] and [samples] run on one process: their passes are not split over ranks "
-                             "yet; start harts train without torchrun")  # fmt: skip
-        if self.ranks is not None and config.critic is not None:
-            raise ValueError("[critic] runs on one process: its values pass and its updates are not split "
-                             "over ranks yet; start harts train without torchrun")  # fmt: skip
-        if self.ranks is not None and config.lora is not None:
-            raise ValueError("[lora] runs on one process: a LoRA model under DDP or FSDP2 is not checked "
-                             "against per-trajectory training yet; start harts train without "
-                             "torchrun")  # fmt: skip
         self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
                                      reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
         self.steps_per_epoch, rollouts_per_epoch = self.data_check.steps, self.data_check.rollouts
@@ -244,7 +231,8 @@ class _Train(Run):
         self.reference, self.reference_sha256, self.saved_old = None, None, None
         if config.reference is not None:
             self.reference = load_reference(config.reference, config.model, config.seed)
-            self.reference_sha256 = weights_sha256(self.reference)
+            self.reference_sha256 = weights_sha256(self.reference)  # of the whole weights, before sharding
+            self.reference = shard_reference(self.reference, self.ranks)
             recorded = (state or {}).get("reference", {}).get("sha256")
             if state is not None and recorded != self.reference_sha256:
                 raise ValueError(
@@ -265,7 +253,7 @@ class _Train(Run):
             if saved is not None and not saved.is_dir():
                 raise ValueError(f"critic: {start.path.name} holds no critic (the run started without "
                                  f"[critic]): resume with the config the run started with")  # fmt: skip
-            self.critic = Critic(config, self.total, saved)
+            self.critic = Critic(config, self.total, saved, self.ranks)
         self.loss_config = config.objective.loss_config()
         self.run_config = config.run.run_config()
         self.moe = None
@@ -287,7 +275,7 @@ class _Train(Run):
             self.position = Position(**state["position"])
             self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
             if self.critic is not None:
-                self.critic.load_state_dict(trainer.get("critic"), start.path.name)
+                self.critic.load_state_dict(trainer.get("critic"), start.path)
                 self.saved_values = trainer.get("critic_values") if self.position.within_step else None
             if self.data_changed and self.position.within_step:
                 self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
@@ -367,7 +355,7 @@ class _Train(Run):
         values, self.saved_values = self.saved_values, None
         with self.numbered():
             return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved,
-                               self.critic, values)  # fmt: skip
+                               self.critic, values, self.ranks)  # fmt: skip
 
     def update(self, rollouts: list[Rollout], objective: ObjectiveConfig
                ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
@@ -420,7 +408,7 @@ class _Train(Run):
                 record["passes_seconds"] = passes  # before the step's first update, once
                 passes = 0.0
             if self.evaluation is not None and self.evaluation.due(position.step, self.total):
-                record.update(self.evaluation(self.model, self.reference))
+                record.update(self.evaluation(self.wrapped, self.reference, self.ranks))
             if samples is not None and self.samples.due(position.step, self.total):
                 for line in self.samples(self.model, position.step):
                     samples.write(line)
@@ -444,6 +432,8 @@ class _Train(Run):
 
     def write_weights(self, directory: Path) -> None:
         save_state(directory, self.wrapped, self.optim)  # every rank: its shard of the state
+        if self.critic is not None:
+            self.critic.save(directory)
         whole = full_model_state(self.wrapped, self.ranks)
         if not self.main:
             return
@@ -451,8 +441,6 @@ class _Train(Run):
             save_adapter(self.model, directory, self.config.lora)
         else:
             self.write_model(directory, whole)
-        if self.critic is not None:
-            save_critic(self.critic.model, directory / CRITIC_DIR)
 
     def trainer_state(self) -> dict:
         trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(), "params": self.param_names,

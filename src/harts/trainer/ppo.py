@@ -22,6 +22,11 @@ Why each piece is as it is:
   GAE's from the critic's values of the step, computed once before its first update
   (:mod:`harts.trainer.critic`), which a checkpoint between two updates saves as it saves the
   old log-probs;
+- on several ranks (torchrun) each rank runs these passes on its own trees of the step (the
+  reference sharded like the policy under FSDP2, a whole frozen copy under DDP) and the ranks
+  exchange the results once (:mod:`harts.trainer.rank_passes`), so every rank holds the whole
+  step's values: the estimate and the mini-batches read them as on one process, and each
+  mini-batch's trees are then divided over the ranks by the step;
 - mini-batches hold whole groups, shuffled by a generator seeded from (seed, the step's place in
   the file, the PPO epoch) only, so an update's mini-batch is the same in a resumed run without
   any random state to restore.
@@ -48,9 +53,11 @@ from harts.steps.policy import step_inputs
 from harts.trainer.config import ModelConfig, ObjectiveConfig, PPOSection, ReferenceSection, TrainConfig
 from harts.trainer.critic import Critic, with_gae
 from harts.trainer.inputs import group_spans, load_model
+from harts.trainer.processes import Ranks, fsdp_shard
+from harts.trainer.rank_passes import over_ranks
 
-__all__ = ["load_reference", "weights_sha256", "with_logprobs", "with_advantages", "mini_batches", "Update",
-           "StepUpdates"]  # fmt: skip
+__all__ = ["load_reference", "shard_reference", "weights_sha256", "with_logprobs", "with_advantages",
+           "mini_batches", "Update", "StepUpdates"]  # fmt: skip
 
 
 def load_reference(reference: ReferenceSection, model: ModelConfig, seed: int) -> nn.Module:
@@ -68,6 +75,13 @@ def load_reference(reference: ReferenceSection, model: ModelConfig, seed: int) -
     return ref
 
 
+def shard_reference(reference: nn.Module, ranks: Ranks | None) -> nn.Module:
+    """The reference as the policy is held on ``ranks``: under FSDP2 sharded the same way (each
+    decoder layer, then the model: a rank keeps about 1/N of it, its passes gather one layer at a
+    time); under DDP (or one process) the whole frozen copy (no gradients to synchronise)."""
+    return fsdp_shard(reference) if ranks is not None and ranks.strategy == "fsdp" else reference
+
+
 def weights_sha256(model: nn.Module) -> str:
     """sha256 over every parameter and buffer (name, dtype, shape, bytes): what a resume compares
     to know the reference it loaded is the one the run started with."""
@@ -80,12 +94,18 @@ def weights_sha256(model: nn.Module) -> str:
 
 
 def with_logprobs(model: nn.Module, rollouts: list[Rollout], field: str, run: RunConfig,
-                  temperature: float) -> list[Rollout]:  # fmt: skip
+                  temperature: float, ranks: Ranks | None = None) -> list[Rollout]:  # fmt: skip
     """Copies of ``rollouts`` whose ``field`` (``ref_logprobs`` or ``rollout_logprobs``) holds
     ``model``'s log-probs at their loss positions (0 elsewhere), forward only, under ``run``'s
-    budget, at the objective's sampling temperature."""
-    out = forest_logprobs(model, rollouts, run=run, temperature=temperature, loss_positions_only=True)
-    return [dataclasses.replace(r, **{field: lp.cpu()}) for r, lp in zip(rollouts, out.logprobs, strict=True)]
+    budget, at the objective's sampling temperature; with ``ranks``, each rank scores its own
+    trees and every rank gets all (:func:`~harts.trainer.rank_passes.over_ranks`)."""
+
+    def compute(share: list[Rollout]) -> list[torch.Tensor]:
+        out = forest_logprobs(model, share, run=run, temperature=temperature, loss_positions_only=True)
+        return [lp.cpu() for lp in out.logprobs]
+
+    logprobs = over_ranks(ranks, model, run, rollouts, compute)
+    return [dataclasses.replace(r, **{field: lp}) for r, lp in zip(rollouts, logprobs, strict=True)]
 
 
 def with_advantages(model: nn.Module, rollouts: list[Rollout], objective: ObjectiveConfig) -> list[Rollout]:
@@ -127,7 +147,8 @@ class StepUpdates:
 
     def __init__(self, config: TrainConfig, policy: nn.Module, reference: nn.Module | None, run: RunConfig,
                  rollouts: list[Rollout], saved_old: list[torch.Tensor] | None = None,
-                 critic: Critic | None = None, saved_values: list[torch.Tensor] | None = None):  # fmt: skip
+                 critic: Critic | None = None, saved_values: list[torch.Tensor] | None = None,
+                 ranks: Ranks | None = None):  # fmt: skip
         began = time.perf_counter()
         temperature = config.objective.temperature
         self.ppo: PPOSection | None = config.ppo
@@ -135,9 +156,9 @@ class StepUpdates:
         self.old: list[torch.Tensor] | None = None  # what a checkpoint between updates saves
         self.values: list[torch.Tensor] | None = None  # the critic's, saved there too
         if reference is not None:
-            rollouts = with_logprobs(reference, rollouts, "ref_logprobs", run, temperature)
+            rollouts = with_logprobs(reference, rollouts, "ref_logprobs", run, temperature, ranks)
         if critic is not None:
-            self.values = critic.values(rollouts) if saved_values is None else saved_values
+            self.values = critic.values(rollouts, ranks) if saved_values is None else saved_values
             rollouts = with_gae(policy, rollouts, self.values, config.objective)
             self.objective = dataclasses.replace(config.objective, advantage=None, advantage_params={})
         if self.ppo is not None:
@@ -147,7 +168,7 @@ class StepUpdates:
             reads_old = config.objective.loss_config().policy_loss.needs_behaviour_logprobs
             if self.ppo.old_logprobs == "policy" and reads_old:
                 if saved_old is None:
-                    rollouts = with_logprobs(policy, rollouts, "rollout_logprobs", run, temperature)
+                    rollouts = with_logprobs(policy, rollouts, "rollout_logprobs", run, temperature, ranks)
                 else:
                     if len(saved_old) != len(rollouts):
                         raise ValueError(f"the checkpoint's old log-probs are for {len(saved_old)} rollouts, "

@@ -42,8 +42,8 @@ from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 from harts.plan.ranks import RankCost, TreeAssignment, assign_trees
 
-__all__ = ["Ranks", "start_ranks", "wrap_model", "rank_cost", "local_rollouts", "save_state", "load_state",
-           "RankFailure"]  # fmt: skip
+__all__ = ["Ranks", "start_ranks", "wrap_model", "fsdp_shard", "rank_cost", "local_rollouts", "save_state",
+           "load_state", "RankFailure"]  # fmt: skip
 
 STATE_DIR = "state"
 
@@ -97,6 +97,12 @@ def wrap_model(model: nn.Module, ranks: Ranks) -> nn.Module:
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return fsdp_shard(model)
+
+
+def fsdp_shard(model: nn.Module) -> nn.Module:
+    """``model`` sharded in place by FSDP2: ``fully_shard`` on each decoder layer, then the model
+    (the units harts' step gathers one at a time)."""
     from torch.distributed.fsdp import fully_shard
 
     from harts.adapters import adapter_for

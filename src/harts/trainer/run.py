@@ -81,7 +81,7 @@ def _collective_failure(exc: BaseException) -> bool:
     return any(word in text for word in _COLLECTIVE_WORDS)
 
 
-def _clip(params, clip: float) -> float:
+def clip_gradients(params, clip: float) -> float:
     """Clip to ``clip``; the total norm (over every rank's shard under FSDP2)."""
     norm = torch.nn.utils.clip_grad_norm_(params, clip)
     if type(norm).__name__ == "DTensor":
@@ -261,7 +261,7 @@ class Run:
         learning rates the update used."""
         optim = self.optim
         clip = self.config.max_grad_norm if self.config.max_grad_norm else math.inf
-        grad_norm = collective(_clip, optim.take_gradients(), clip)  # fp32 with master weights
+        grad_norm = collective(clip_gradients, optim.take_gradients(), clip)  # fp32 with master weights
         if not (math.isfinite(grad_norm) and math.isfinite(float(result.loss))):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss {float(result.loss)}, gradient norm {grad_norm}: not "
