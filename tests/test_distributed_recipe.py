@@ -143,8 +143,9 @@ def test_reference_ppo_and_critic_on_ranks_end_where_one_process_does(strategy, 
 
 @pytest.mark.multiprocess
 def test_a_run_on_ranks_resumes_between_two_updates_bit_for_bit(tmp_path):
-    """Checkpoints after every update; the run resumed from the one after update 1 (old
-    log-probs and critic values of the step saved there) writes the same bytes."""
+    """Checkpoints after every update; the run resumed on 2 ranks from the one after update 1 (old
+    log-probs and critic values of the step saved there) writes the same bytes; resumed on one
+    process (the policy's and the critic's state resharded), the same weights to rounding."""
     config = _config(tmp_path, "fsdp", every=1)
     first = tmp_path / "first"
     done = _torchrun("-m", "harts", "train", str(config), "--out", str(first), timeout=400)
@@ -161,6 +162,17 @@ def test_a_run_on_ranks_resumes_between_two_updates_bit_for_bit(tmp_path):
     for name in ("model.safetensors", f"{CRITIC}/model.safetensors"):
         want = (first / "checkpoints" / "step-000004" / name).read_bytes()
         assert (resumed / "checkpoints" / "step-000004" / name).read_bytes() == want, name
+    # on one process from the same checkpoint: the policy's and the critic's state resharded
+    alone = tmp_path / "alone"
+    subprocess.run(["cp", "-r", str(resumed), str(alone)], check=True)
+    for name in ("step-000002", "step-000003", "step-000004"):
+        subprocess.run(["rm", "-r", str(alone / "checkpoints" / name)], check=True)
+    assert run_train(config, alone, "--resume") == 0
+    checkpoints = first / "checkpoints"
+    start, want = _weights(checkpoints / "step-000001"), _weights(checkpoints / "step-000004")
+    got = _weights(alone / "checkpoints" / "step-000004")
+    for i, what in enumerate(("policy", "critic")):
+        _close(want[i], got[i], start[i], what)
 
 
 @pytest.mark.multiprocess
