@@ -130,9 +130,11 @@ def _free_port() -> int:
 def test_two_processes_match_stock_trl(model_dir, tmp_path):
     """Two real processes under ``accelerate launch`` (gloo), accelerate's MULTI_CPU with the
     model wrapped in DDP: harts' drop-in runs the wrapped module and sums the gradients over the
-    ranks itself, and the parameters equal stock TRL's under the same launch and seed: "dapo"
-    (normalised by every process's completion tokens) over two accumulated micro-batches, and
-    "grpo" under a budget."""
+    ranks itself, and the parameters and TRL's logged losses equal stock TRL's under the same
+    launch and seed: "dapo" (normalised by every process's completion tokens) over two accumulated
+    micro-batches, and "grpo" under a budget. Every run has ``beta > 0`` (the reference model's
+    pass, the KL term) and ``num_iterations=2`` (the old log-probs' pass; the second step reuses
+    the first's completions, its ratios away from 1)."""
     # accelerate's --cpu starts one process unless given an MPI hostfile; --multi_gpu starts them
     # with torch.distributed.run, and TRL's use_cpu=True makes them MULTI_CPU ranks over gloo
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
@@ -154,12 +156,25 @@ def test_two_processes_match_stock_trl(model_dir, tmp_path):
             gaps = parameter_gaps(tree["params"], stock["params"])
             worst = max(gaps, key=gaps.get)
             assert gaps[worst] <= 1, f"{name}, rank {rank}, {worst}: {gaps[worst]:.3g} of the bound"
+            check_logs(stock["logs"], tree["logs"], f"{name}, rank {rank}")
         # each rank sampled its own completions, and DDP kept the ranks' parameters equal
         assert ranks[0][f"{name}/stock"]["completions"] != ranks[1][f"{name}/stock"]["completions"]
         for n, p in ranks[0][f"{name}/harts"]["params"][-1].items():
             assert torch.equal(p, ranks[1][f"{name}/harts"]["params"][-1][n]), (name, n)
     for results in ranks:  # a gradient compression hook harts' own sum would skip: refused
         assert "the DDP model has a communication hook" in results["comm_hook"], results["comm_hook"]
+
+
+def check_logs(stock: list[dict], tree: list[dict], where: str) -> None:
+    """TRL's logs of the two steps, stock's and harts': the same keys; the loss and KL within twice
+    the logits' error (a log-softmax is off by at most twice its logits' error, and so are the
+    means of its terms). The second step's KL is above 0 (the policy left the reference model)."""
+    assert len(stock) == len(tree) == 2, where
+    for want, got in zip(stock, tree, strict=True):
+        assert set(got) == set(want), (where, set(got) ^ set(want))
+        for name in ("loss", "kl"):
+            assert abs(got[name] - want[name]) <= 2 * LOGIT_ATOL, (where, name, got[name], want[name])
+    assert stock[1]["kl"] > 1e-3, where
 
 
 def test_unsupported_setups_are_refused(model_dir, tmp_path):

@@ -7,7 +7,7 @@ rank runs each variant twice, once with ``trl.GRPOTrainer`` and once with
 ``harts.integrations.trl.GRPOTrainer``, from the same saved model and seed, and writes
 ``rank{r}.pt`` to the output folder: per variant and trainer, the parameters at the start and
 after every optimizer step, the completions its reward function saw, and what ran (the
-distributed type, the wrapper, harts' micro-batches); and the error a DDP communication hook
+distributed type, the wrapper, harts' micro-batches) and TRL's logs; and the error a DDP communication hook
 gets from harts' drop-in.
 
 Usage: ``accelerate launch --multi_gpu --num_processes 2 tests/trl_worker.py MODEL_DIR OUT_DIR``
@@ -119,6 +119,7 @@ def main(model_dir: str, out_dir: str) -> None:
             results[f"{name}/{label}"] = {
                 "params": params,
                 "completions": completions,
+                "logs": [entry for entry in trainer.state.log_history if "loss" in entry],
                 "distributed_type": str(trainer.accelerator.distributed_type),
                 "wrapper": type(trainer.model_wrapped).__name__,
                 "num_processes": trainer.accelerator.num_processes,
