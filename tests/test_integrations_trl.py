@@ -13,7 +13,9 @@ ratios away from 1 on the second step; ``beta > 0`` the reference model's pass a
 The budgeted step and the two-process runs (DDP over gloo, the model wrapped by accelerate as
 ``accelerate launch`` wraps it) turn gradient clipping off, so that a gradient off by a factor
 (a missed mean over the ranks, a normaliser of the wrong process) moves the parameters by a
-different amount instead of being clipped to the same norm.
+different amount instead of being clipped to the same norm. The two processes also run a tiny MoE
+model with TRL's load-balancing loss (``router_aux_loss_coef``); the one-process MoE runs are in
+tests/test_integrations_trl_moe.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from harts.tiny import tiny_model
 from tests.reference import GRAD_FLOOR, GRAD_RTOL, LOGIT_ATOL, grad_relative_errors
 from tests.trl_worker import PROMPTS, VARIANTS, Recorder, config, tokenizer, train
 
+# TRL's aux loss from harts' routers against the stock forward's: a sum of fp32 products over the
+# tokens and experts, within 1e-5 relative (tests/test_moe_stats.py)
+AUX_RTOL = 1e-5
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -44,6 +50,13 @@ ROOT = HERE.parent
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     tiny_model("qwen3", seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    tiny_model("qwen3_moe", seed=0).save_pretrained(path)
     return path
 
 
@@ -127,25 +140,26 @@ def _free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_match_stock_trl(model_dir, tmp_path):
+def test_two_processes_match_stock_trl(model_dir, moe_dir, tmp_path):
     """Two real processes under ``accelerate launch`` (gloo), accelerate's MULTI_CPU with the
     model wrapped in DDP: harts' drop-in runs the wrapped module and sums the gradients over the
     ranks itself, and the parameters and TRL's logged losses equal stock TRL's under the same
     launch and seed: "dapo" (normalised by every process's completion tokens) over two accumulated
-    micro-batches, and "grpo" under a budget. Every run has ``beta > 0`` (the reference model's
-    pass, the KL term) and ``num_iterations=2`` (the old log-probs' pass; the second step reuses
-    the first's completions, its ratios away from 1)."""
+    micro-batches, and "grpo" under a budget; each on the dense model and on the MoE one with
+    TRL's load-balancing loss (each process's own, as stock DDP averages it). Every run has
+    ``beta > 0`` (the reference model's pass, the KL term) and ``num_iterations=2`` (the old
+    log-probs' pass; the second step reuses the first's completions, its ratios away from 1)."""
     # accelerate's --cpu starts one process unless given an MPI hostfile; --multi_gpu starts them
     # with torch.distributed.run, and TRL's use_cpu=True makes them MULTI_CPU ranks over gloo
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
                "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
                f"--main_process_port={_free_port()}", str(HERE / "trl_worker.py"), str(model_dir),
-               str(tmp_path)]  # fmt: skip
+               str(moe_dir), str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=_env(tmp_path / "hf"), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    for name, (_, budget) in VARIANTS.items():
+    for name, (_, budget, moe) in VARIANTS.items():
         for rank, results in enumerate(ranks):
             stock, tree = results[f"{name}/stock"], results[f"{name}/harts"]
             assert stock["wrapper"] == tree["wrapper"] == "DistributedDataParallel", (name, rank)
@@ -156,7 +170,7 @@ def test_two_processes_match_stock_trl(model_dir, tmp_path):
             gaps = parameter_gaps(tree["params"], stock["params"])
             worst = max(gaps, key=gaps.get)
             assert gaps[worst] <= 1, f"{name}, rank {rank}, {worst}: {gaps[worst]:.3g} of the bound"
-            check_logs(stock["logs"], tree["logs"], f"{name}, rank {rank}")
+            check_logs(stock["logs"], tree["logs"], moe, f"{name}, rank {rank}")
         # each rank sampled its own completions, and DDP kept the ranks' parameters equal
         assert ranks[0][f"{name}/stock"]["completions"] != ranks[1][f"{name}/stock"]["completions"]
         for n, p in ranks[0][f"{name}/harts"]["params"][-1].items():
@@ -165,15 +179,20 @@ def test_two_processes_match_stock_trl(model_dir, tmp_path):
         assert "the DDP model has a communication hook" in results["comm_hook"], results["comm_hook"]
 
 
-def check_logs(stock: list[dict], tree: list[dict], where: str) -> None:
+def check_logs(stock: list[dict], tree: list[dict], aux: bool, where: str) -> None:
     """TRL's logs of the two steps, stock's and harts': the same keys; the loss and KL within twice
     the logits' error (a log-softmax is off by at most twice its logits' error, and so are the
-    means of its terms). The second step's KL is above 0 (the policy left the reference model)."""
+    means of its terms); the aux loss (MoE runs) within its own relative bound. The second step's
+    KL is above 0 (the policy left the reference model)."""
     assert len(stock) == len(tree) == 2, where
     for want, got in zip(stock, tree, strict=True):
         assert set(got) == set(want), (where, set(got) ^ set(want))
         for name in ("loss", "kl"):
             assert abs(got[name] - want[name]) <= 2 * LOGIT_ATOL, (where, name, got[name], want[name])
+        assert ("aux_loss" in want) == aux, where
+        if aux:
+            assert want["aux_loss"] > 0, where
+            assert abs(got["aux_loss"] - want["aux_loss"]) <= AUX_RTOL * want["aux_loss"], where
     assert stock[1]["kl"] > 1e-3, where
 
 

@@ -4,13 +4,13 @@
 Launched by ``accelerate launch --multi_gpu --num_processes 2`` on a CPU (``use_cpu=True``: gloo),
 each process is one of accelerate's ``MULTI_CPU`` ranks and the Trainer wraps the model in DDP. Every
 rank runs each variant twice, once with ``trl.GRPOTrainer`` and once with
-``harts.integrations.trl.GRPOTrainer``, from the same saved model and seed, and writes
-``rank{r}.pt`` to the output folder: per variant and trainer, the parameters at the start and
-after every optimizer step, the completions its reward function saw, and what ran (the
-distributed type, the wrapper, harts' micro-batches) and TRL's logs; and the error a DDP communication hook
-gets from harts' drop-in.
+``harts.integrations.trl.GRPOTrainer``, from the same saved model (the dense one, or the MoE one
+for the variants with TRL's load-balancing loss) and seed, and writes ``rank{r}.pt`` to the output
+folder: per variant and trainer, the parameters at the start and after every optimizer step, the
+completions its reward function saw, TRL's logs, and what ran (the distributed type, the wrapper,
+harts' micro-batches); and the error a DDP communication hook gets from harts' drop-in.
 
-Usage: ``accelerate launch --multi_gpu --num_processes 2 tests/trl_worker.py MODEL_DIR OUT_DIR``
+Usage: ``accelerate launch --multi_gpu --num_processes 2 tests/trl_worker.py MODEL_DIR MOE_MODEL_DIR OUT_DIR``
 """
 
 from __future__ import annotations
@@ -29,14 +29,24 @@ PROMPTS = ["t10 t11 t12 t13 t14 t15 t16", "t20 t21 t22", "t30 t31 t32 t33", "t40
 # 2 x 2 x 8 completions, 8 prompts' groups of 4
 MORE_PROMPTS = [*PROMPTS, "t50 t51 t52 t53 t54", "t60", "t70 t71 t72 t73 t74 t75", "t80 t81"]
 
-# the variants of the multi-process test: TRL's config overrides and harts' token budget.
-# "dapo" normalises by the completion tokens of every process (num_items_in_batch), over two
-# accumulated micro-batches; "grpo" by each sequence's own length; the budget cuts each group's
-# tree into parts (the three passes). No clipping: a wrong scale of the gradient shows.
+# the weight of TRL's MoE load-balancing loss in the MoE runs: large enough that the aux term
+# dominates the routers' gradients, so that a wrong weight or a wrong routing fraction shows
+AUX_COEF = 0.1
+
+# the variants of the multi-process test: TRL's config overrides, harts' token budget, and whether
+# the model is the MoE one. "dapo" normalises by the completion tokens of every process
+# (num_items_in_batch), over two accumulated micro-batches; "grpo" by each sequence's own length;
+# the budget cuts each group's tree into parts (the three passes). The MoE variants add TRL's
+# load-balancing loss, each micro-batch's on each process divided by the accumulation steps. No
+# clipping: a wrong scale of the gradient shows.
 VARIANTS = {
-    "dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2, "max_grad_norm": 0.0}, None),
-    "grpo_budget": ({"loss_type": "grpo", "max_grad_norm": 0.0}, 8),
-}
+    "dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2, "max_grad_norm": 0.0}, None, False),
+    "grpo_budget": ({"loss_type": "grpo", "max_grad_norm": 0.0}, 8, False),
+    "moe_aux_dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2, "max_grad_norm": 0.0,
+                      "router_aux_loss_coef": AUX_COEF}, None, True),
+    "moe_aux_grpo_budget": ({"loss_type": "grpo", "max_grad_norm": 0.0, "router_aux_loss_coef": AUX_COEF},
+                            8, True),
+}  # fmt: skip
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -100,7 +110,7 @@ def train(trainer_class, model_dir, out_dir, args: dict | None = None, prompts=P
     return trainer, reward.completions, snaps.params
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, moe_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from harts import RunConfig
@@ -108,13 +118,14 @@ def main(model_dir: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     results = {}
-    for name, (overrides, budget) in VARIANTS.items():
+    for name, (overrides, budget, moe) in VARIANTS.items():
         for label, cls, kwargs in (
             ("stock", trl.GRPOTrainer, {}),
             ("harts", GRPOTrainer, {"harts_run": RunConfig(budget_tokens=budget)}),
         ):
             run_dir = Path(out_dir) / name / label
-            trainer, completions, params = train(cls, model_dir, run_dir, overrides, MORE_PROMPTS, **kwargs)
+            model = moe_dir if moe else model_dir
+            trainer, completions, params = train(cls, model, run_dir, overrides, MORE_PROMPTS, **kwargs)
             step = getattr(trainer, "_harts_result", None)
             results[f"{name}/{label}"] = {
                 "params": params,

@@ -25,6 +25,20 @@ gradients of TRL's loss. Two ways in:
   returns; it hands the Trainer a leaf holding the loss's value, whose backward reaches no
   parameter.
 
+TRL's MoE load-balancing loss (``router_aux_loss_coef``, by default the model config's: on for
+qwen3_moe, qwen3_next and the other families trained with the Switch loss): TRL adds
+``router_aux_loss_coef * aux_loss / gradient_accumulation_steps`` to each micro-batch's loss,
+``aux_loss`` the stock forward's ``load_balancing_loss_func`` over the padded rows with their
+attention mask as the weight: a sum over the batch's tokens, which harts computes exactly from
+its forest's routers, each unique token weighted by its multiplicity
+(:func:`harts.objectives.load_balancing_loss`). Without harts' step TRL's backward differentiates
+it; in harts' step its value is handed to TRL's loss and its gradient added part by part by
+:class:`harts.steps.router_statistics.MoEObserver` with this process's routing fractions, as
+TRL's (under DDP each rank's aux loss is its own micro-batch's, and the ranks' mean averages
+them; harts' own ``MoEConfig`` takes the fractions of the whole step over the ranks instead). A
+family balanced by router bias has no such loss and is refused with a weight set, as is a
+negative weight.
+
 Mixed precision: with ``bf16=True`` (TRL's default) accelerate wraps the prepared model's forward
 in ``torch.autocast`` (bf16, CPU or CUDA); harts calls the model's modules, not that forward, so
 its forward-only passes and its step enter the same autocast (``accelerator.autocast()``), and
@@ -34,8 +48,8 @@ twice stock TRL's under the same setting plus a few bf16 roundings (tests/test_i
 docs/integrations/trl.md has the figures).
 
 Refused, with an error naming the option, before the first step: models harts does not run
-(:func:`harts.supported_families`), vision inputs, the MoE load-balancing loss through TRL
-(``router_aux_loss_coef``; harts' own is ``harts.MoEConfig``), ``fp16=True`` (no fp16 autocast on
+(:func:`harts.supported_families`), vision inputs, ``router_aux_loss_coef`` below 0 or on a
+family balanced by router bias, ``fp16=True`` (no fp16 autocast on
 a CPU; on a GPU a loss scaler that harts' own backward would bypass), ``cast_lm_head_to_fp32``
 under bf16 (TRL's head then runs outside autocast, harts' under it), accelerate's
 FSDP, DeepSpeed and other non-DDP distributed types and ``torch.nn.DataParallel`` over several
@@ -52,6 +66,7 @@ run the batch as one forest without autograd; the budget bounds the training ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -66,10 +81,13 @@ from harts.adapters import supported_families
 from harts.batch_positions import batch_layout
 from harts.forest import build_forest
 from harts.integrations.batch import batch_logprobs
+from harts.objectives.moe import MoEConfig, aux_loss_from_sums, load_balancing_loss
 from harts.ops.precision import no_autocast
 from harts.runtime.backward import forest_backward
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import data_parallel, data_parallel_step, unwrap_data_parallel
+from harts.runtime.routers import RouterRecorder
+from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
 
 __all__ = ["GRPOTrainer"]
 
@@ -139,7 +157,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, harts_run: RunConfig | None = None, share_prefixes: bool = True, **kwargs):
         self.harts_run = RunConfig.resolve(harts_run)
         self.share_prefixes = bool(share_prefixes)
-        self._harts_supplied: tuple[Tensor, Tensor] | None = None
+        self._harts_supplied: tuple[Tensor, Tensor, Tensor | None] | None = None
         super().__init__(*args, **kwargs)
         family = getattr(_base_model(self.model).config, "model_type", None)
         if family not in supported_families():
@@ -148,10 +166,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             )
         self._refuse_mixed_precision()
         if self.aux_loss_enabled:
-            raise ValueError(
-                "router_aux_loss_coef != 0: TRL's MoE load-balancing loss reads the router logits of the "
-                "stock forward, which harts does not run; set router_aux_loss_coef=0.0 in GRPOConfig"
-            )
+            self._check_aux_loss()
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"{self.args.n_gpu} GPUs in one process (torch.nn.DataParallel, which splits the batch in "
@@ -184,6 +199,19 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "cast_lm_head_to_fp32=True under bf16 mixed precision: TRL then runs the head in fp32 "
                 "outside autocast, harts' head runs under it; set cast_lm_head_to_fp32=False"
             )
+
+    def _check_aux_loss(self) -> None:
+        """TRL's MoE load-balancing loss (``router_aux_loss_coef``, by default the model config's):
+        harts computes the same Switch loss from its own routers' logits, each unique token
+        weighted by its multiplicity (:func:`harts.objectives.load_balancing_loss`); a family
+        balanced by router bias has no such loss, and a negative weight is refused."""
+        coef = self.router_aux_loss_coef
+        if not coef > 0:
+            raise ValueError(
+                f"router_aux_loss_coef={coef}: harts' drop-in adds TRL's MoE load-balancing loss with a "
+                f"positive weight (0.0 turns it off)"
+            )
+        resolve_aux_coef(MoEConfig(aux_loss_coef=coef), _base_model(self.model))
 
     def _autocast(self):
         """The autocast accelerate wraps the prepared model's forward in (``bf16=True``: CPU or CUDA
@@ -232,24 +260,59 @@ class GRPOTrainer(trl.GRPOTrainer):
         seen: dict[str, Tensor] = {}
         with data_parallel_step(model) as (module, dp):
             scale = 1.0 / dp.world_size if dp is not None else 1.0  # DDP's mean over the ranks
+            observer, aux_weight = self._aux_observer(module, scale)
 
             def loss_fn(logprob: Tensor, entropy: Tensor) -> Tensor:
-                self._harts_supplied = (rows.batch(logprob), rows.batch(entropy))
+                aux = None
+                if observer is not None:  # every part's first forward has run: this batch's aux loss
+                    aux = aux_loss_from_sums(observer.routed, observer.prob_sum, observer.total)
+                    aux = aux.detach().requires_grad_()
+                self._harts_supplied = (rows.batch(logprob), rows.batch(entropy), aux)
                 try:  # outside autocast, as stock TRL computes its loss from the forward's outputs
                     with no_autocast(logprob.device):
                         loss = super(GRPOTrainer, self)._compute_loss(module, inputs)
                 finally:
                     self._harts_supplied = None
+                if aux is not None:
+                    self._check_aux_weight(loss, aux, aux_weight / scale)
                 seen["loss"] = loss.detach()
                 return loss * scale
 
-            with self._autocast():
+            with self._autocast(), observer.recorder if observer is not None else contextlib.nullcontext():
                 self._harts_result = forest_backward(
                     module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
-                    temperature=self.temperature,
+                    observer=observer, temperature=self.temperature,
                 )  # fmt: skip
         self._harts_redundancy = rows.forest.redundancy
         return seen["loss"].clone()
+
+    def _aux_observer(self, module, scale: float) -> tuple[MoEObserver | None, float]:
+        """With TRL's MoE load-balancing loss: the observer that records the routers of harts' step
+        and adds each part's share of the loss's gradient, and the loss's weight in the step.
+
+        TRL adds ``router_aux_loss_coef * aux_loss / gradient_accumulation_steps`` to each
+        micro-batch's loss, ``aux_loss`` the Switch loss of that micro-batch on this process (the
+        stock forward's over the padded rows, its attention mask the weight). The observer's
+        routing fractions are this process's (no sum over the ranks), its per-part terms carry the
+        same weight times DDP's ``1 / world size``; the loss's value TRL adds itself, from the value
+        :meth:`_get_per_token_logps_and_entropies` hands it."""
+        if not self.aux_loss_enabled:
+            return None, 0.0
+        accumulation = self.current_gradient_accumulation_steps if self.model.training else 1.0
+        weight = self.router_aux_loss_coef / accumulation * scale
+        return MoEObserver(RouterRecorder(_base_model(module)), weight), weight
+
+    @staticmethod
+    def _check_aux_weight(loss: Tensor, aux: Tensor, weight: float) -> None:
+        """TRL's loss is linear in the aux loss with the weight the observer's terms carry; a TRL
+        that weighted it otherwise would get gradients of another loss, so it is refused here."""
+        (got,) = torch.autograd.grad(loss, aux, retain_graph=True, allow_unused=True)
+        got = 0.0 if got is None else float(got)
+        if abs(got - weight) > 1e-6 * abs(weight):  # TRL's fp32 coefficient: a few 2^-24 off
+            raise RuntimeError(
+                f"TRL weighted the MoE aux loss by {got:.6g} in its loss, harts' step by {weight:.6g}: "
+                f"this TRL version adds router_aux_loss_coef otherwise than TRL 1.16"
+            )
 
     # ---- the log-probs TRL asks for -----------------------------------------------------------------
     def _get_per_token_logps_and_entropies(
@@ -263,25 +326,26 @@ class GRPOTrainer(trl.GRPOTrainer):
         compute_aux_loss=False,
         **vision,
     ):
-        """(log-probs [B, K], entropies [B, K] or None, None) of the last K = ``logits_to_keep``
-        columns, as TRL's own: inside harts' step, the rows' values it supplies; otherwise one
-        harts forward over the batch's forest."""
+        """(log-probs [B, K], entropies [B, K] or None, aux loss or None) of the last K =
+        ``logits_to_keep`` columns, as TRL's own: inside harts' step, the rows' values it supplies;
+        otherwise one harts forward over the batch's forest. ``compute_aux_loss``: the MoE
+        load-balancing loss of the batch (:func:`harts.objectives.load_balancing_loss` over the
+        forest's routers, each unique token weighted by its multiplicity: the stock forward's
+        over the padded rows with their attention mask)."""
         given = sorted(name for name, value in vision.items() if value is not None)
         if given:
             raise ValueError(f"harts runs text-only models; the batch has vision inputs {given}")
         unknown = sorted(set(vision) - set(_VISION))
         if unknown:
             raise TypeError(f"unexpected arguments {unknown} from this TRL version")
-        if compute_aux_loss:
-            raise ValueError(
-                "the MoE load-balancing loss through TRL is not supported: set router_aux_loss_coef=0"
-            )
         if self._harts_supplied is not None:
-            logps, entropies = self._harts_supplied
+            logps, entropies, aux = self._harts_supplied
             if tuple(logps.shape) != (input_ids.shape[0], logits_to_keep):
                 raise ValueError(f"harts' step has log-probs of shape {tuple(logps.shape)}, TRL asks for "
                                  f"{(input_ids.shape[0], logits_to_keep)}")  # fmt: skip
-            return logps, entropies if compute_entropy else None, None
+            if compute_aux_loss and aux is None:
+                raise ValueError("TRL asks for the MoE aux loss, which harts' step did not record")
+            return logps, entropies if compute_entropy else None, aux if compute_aux_loss else None
         if data_parallel(model) is not None:
             if torch.is_grad_enabled():
                 raise ValueError(
@@ -292,7 +356,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         # a forward-only pass (or the unbudgeted step): the whole forest at once; a budget bounds the
         # graph harts' step keeps, and these passes keep none
         run = dataclasses.replace(self.harts_run, budget_tokens=None)
-        with self._autocast():
+        recorder = RouterRecorder(_base_model(model)) if compute_aux_loss else None
+        with self._autocast(), recorder if recorder is not None else contextlib.nullcontext():
             out = batch_logprobs(
                 model, input_ids, attention_mask, score_mask=_completion_mask(attention_mask, logits_to_keep),
                 temperature=self.temperature, share_prefixes=self.share_prefixes, run=run,
@@ -300,4 +365,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._harts_redundancy = out.forest.redundancy
         logps = out.logprobs[:, -logits_to_keep:]
         entropies = out.entropies[:, -logits_to_keep:] if compute_entropy else None
-        return logps, entropies, None
+        aux = None
+        if recorder is not None:  # one forward of the forest: its routers, weighted by multiplicity
+            aux = load_balancing_loss(recorder.logits, out.forest.token_multiplicity, recorder.top_k)
+        return logps, entropies, aux
