@@ -127,14 +127,24 @@ def stock_floor(model, mine: list) -> dict:
 
 
 def address_peak(step, reset) -> tuple[int, int]:
-    """(peak, unseen) of one profiled ``step()``, its allocation events matched by address.
+    """(peak, unseen) of one profiled ``step()``, its allocation events matched by address
+    (:func:`address_profile`)."""
+    found = address_profile(step, reset)
+    return found["peak"], found["unseen"]
+
+
+def address_profile(step, reset) -> dict:
+    """``peak``, ``unseen`` and ``end`` of one profiled ``step()`` (``reset()`` after it), its
+    allocation events matched by address.
 
     With gloo, a collective's work object can hold the last reference to a tensor (the clone in
     ``_reduce_scatter_base_``, FSDP2's all-gather buffers) and free it on gloo's worker thread, a
     free the profiler does not record: the running sum of :func:`tensor_peak_bytes` then keeps
     it. Here such a free is known when the address is allocated again while still live; it is
     placed at the end of the outermost op that allocated it, or at that reallocation if earlier.
-    ``unseen``: the bytes of those frees. Tensors still live at the end stay live.
+    ``unseen``: the bytes of those frees. Tensors still live at the end stay live: ``end``, the
+    bytes the step allocated that are still held after ``reset()`` (a cache it fills, or what it
+    leaves behind).
     """
     import gc
     import math
@@ -171,7 +181,7 @@ def address_peak(step, reset) -> tuple[int, int]:
     for _, d in sorted(deltas):
         running += d
         peak = max(peak, running)
-    return peak, unseen
+    return dict(peak=peak, unseen=unseen, end=running)
 
 
 def measure(variant: str, a: argparse.Namespace, mine: list, rounds: int) -> dict:
@@ -274,12 +284,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(a: argparse.Namespace, family: str, n: int, argv: list[str]) -> dict:
-    """One ``torch.distributed.run`` of N workers; its rank 0's JSON, or an error."""
-    fd, path = tempfile.mkstemp(suffix=".json", prefix=f"fsdp-memory-{family}-{n}-")
+def launch(a: argparse.Namespace, family: str, n: int, argv: list[str],
+           module: str = "harts.bench.fsdp_memory") -> dict:  # fmt: skip
+    """One ``torch.distributed.run`` of N workers of ``module`` (``--worker``); its rank 0's JSON,
+    or an error."""
+    fd, path = tempfile.mkstemp(suffix=".json", prefix=f"{module.rsplit('.', 1)[-1]}-{family}-{n}-")
     os.close(fd)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "harts.bench.fsdp_memory",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module,
            "--worker", "--family", family, "--result", path, *argv]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="6",
                PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))  # fmt: skip
