@@ -16,6 +16,7 @@ The measurements the docs quote, each run on its own (``python -m harts.bench.<n
 - :mod:`harts.bench.integrations_grpo`: stock vs harts on one shared-prompt GRPO batch;
 - :mod:`harts.bench.distributed_step`: one step on N ranks (``torchrun -m``) against one process;
 - :mod:`harts.bench.fsdp_memory`: per-rank tensor peak of an FSDP2 / DDP step against stock FSDP2;
+- :mod:`harts.bench.recipe_memory`: per-rank memory of the whole RL recipe's phases under FSDP2;
 - :mod:`harts.bench.master_weights`: bf16 training with and without fp32 master weights;
 - :mod:`harts.bench.fit_linear_cost`: the linear-attention kernels timed, the cost model fitted;
 - :mod:`harts.bench.delta_rule_kernel`: the gated delta rule's chunked op against stock and naive;
