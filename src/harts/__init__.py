@@ -45,6 +45,7 @@ from harts.runtime import (
     RunConfig,
     StepResult,
     TreeOutput,
+    VerificationError,
     forest_backward,
     forest_logprobs,
     forward,
@@ -60,6 +61,7 @@ __all__ = [
     "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",
+    "VerificationError",
     "forest_logprobs", "ForestLogprobs",
     # critics and reward models
     "forward_values", "ForestValues", "score", "ForestScores", "ValueHead", "value_step", "ValueLossConfig",

@@ -6,10 +6,11 @@ from harts.runtime.critic import ForestScores, ForestValues, forward_values, sco
 from harts.runtime.executor import TreeOutput, forward
 from harts.runtime.forward_only import ForestLogprobs, RowLogprobs, forest_logprobs, forest_row_logprobs
 from harts.runtime.routers import RouterRecorder, find_routers
+from harts.runtime.verify import Verification, VerificationError
 
 __all__ = [
     "RunConfig", "TreeOutput", "forward", "RouterRecorder", "find_routers",
     "PartObserver", "StepResult", "forest_backward", "next_token_rows",
     "forest_logprobs", "forest_row_logprobs", "ForestLogprobs", "RowLogprobs",
-    "forward_values", "ForestValues", "score", "ForestScores",
+    "forward_values", "ForestValues", "score", "ForestScores", "VerificationError", "Verification",
 ]  # fmt: skip

@@ -70,6 +70,7 @@ from harts.runtime.executor import (
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
 from harts.runtime.readout import Readout, readout_for
 from harts.runtime.sharded import PartSegments, ShardedStep
+from harts.runtime.verify import verify_sample
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
 
@@ -631,6 +632,24 @@ class StepParts:
             self.banks.release(p)  # only later parts read a part's exports, and they are done
 
 
+#: why ``RunConfig(verify=True)`` is refused on an FSDP2-sharded model
+FSDP_VERIFY = ("RunConfig(verify=True) runs the stock forward of a sample on one rank, which an "
+               "FSDP2-sharded model cannot do alone: verify on one process or under DDP")  # fmt: skip
+
+
+def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperature: float, readout,
+                    separable: bool, what: str) -> None:  # fmt: skip
+    """``run.verify``'s check of a training call (:func:`harts.runtime.verify.verify_sample`): harts'
+    pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
+
+    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss) -> Tensor:
+        return forest_backward(model, sub, predictor, target, loss, run=run.unverified,
+                               temperature=temperature, readout=readout).logprob  # fmt: skip
+
+    verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
+                  gradients=True, separable=separable, what=what)  # fmt: skip
+
+
 def forest_backward(
     model: nn.Module,
     forest: Forest,
@@ -675,6 +694,11 @@ def forest_backward(
     predictor, target = check_rows(forest, predictor, target, readout)
     by_trajectory = hasattr(loss_fn, "subset") and not observer.needs_step_statistics
     by_row = by_trajectory and getattr(loss_fn, "separable_rows", False)
+    if run.verify:
+        if sharded is not None:
+            raise ValueError(FSDP_VERIFY)
+        verify_training(model, forest, run, temperature, readout, by_row, "forest_backward")
+        run = run.unverified
     with run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
         everything = list(range(len(parts.layouts)))

@@ -63,6 +63,11 @@ class RunConfig:
       (default): the backend of an enclosing ``use_backend`` context, else ``fla`` on a CUDA device
       where the ``gpu`` extra is installed and ``torch`` elsewhere. Backends agree to floating-point
       rounding (each is tested against the same references), not bit for bit.
+    - ``verify``: before computing, check the call on a sample of its trajectories against the
+      model's own stock forward on the same device and dtype (:mod:`harts.runtime.verify`), and
+      raise :class:`harts.VerificationError`, its gradients left out of ``.grad``, when harts is
+      off. A passing check changes nothing the call computes. One process and DDP (each rank
+      checks its own trees); refused on an FSDP2-sharded model.
     """
 
     budget_tokens: int | None = None
@@ -74,6 +79,7 @@ class RunConfig:
     hold_tokens: int | str = HOLD_AUTO
     fsdp_overlap: bool = True
     backend: str = "auto"
+    verify: bool = False
 
     def __post_init__(self):
         if self.budget_tokens is not None and (
@@ -101,10 +107,17 @@ class RunConfig:
             raise ValueError(f"hold_tokens must be {HOLD_AUTO!r} or an int >= 0, got {hold!r}")
         if not isinstance(self.fsdp_overlap, bool):
             raise ValueError(f"fsdp_overlap must be True or False, got {self.fsdp_overlap!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.backend != "auto" and self.backend not in available_backends():
             raise ValueError(
                 f"unknown backend {self.backend!r}; expected auto or one of {', '.join(available_backends())}"
             )
+
+    @property
+    def unverified(self) -> RunConfig:
+        """This config without ``verify``: what a verified call runs once its check has passed."""
+        return RunConfig(**{**self.__dict__, "verify": False}) if self.verify else self
 
     @property
     def hold_limit(self) -> int:

@@ -43,12 +43,13 @@ from torch import nn
 
 from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
-from harts.runtime.backward import PartObserver, StepParts, check_rows
+from harts.runtime.backward import FSDP_VERIFY, PartObserver, StepParts, check_rows
 from harts.runtime.config import RunConfig
-from harts.runtime.distributed import forward_only_step
+from harts.runtime.distributed import data_parallel, forward_only_step
 from harts.runtime.executor import check_inputs, resolve_model, run_backend
 from harts.runtime.model_checks import sharded_step
 from harts.runtime.readout import Readout, readout_for
+from harts.runtime.verify import verify_sample
 
 __all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs",
            "stand_in_forward_only"]  # fmt: skip
@@ -162,6 +163,9 @@ def forest_row_readout(
     check_inputs(model, forest)
     readout = readout_for(model, readout, temperature)
     predictor, target = check_rows(forest, predictor, target, readout)
+    if run.verify:
+        _verify(wrapped, model, forest, run, readout, temperature)
+        run = run.unverified
     gathered = forward_only_step(wrapped, run.fsdp_overlap)
     with torch.no_grad(), gathered as (_, sharded), run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout, sharded)
@@ -173,6 +177,21 @@ def forest_row_readout(
     }
     return RowLogprobs(parts.logp, parts.ent, len(parts.sizes), parts.plan.num_cuts, parts.sizes,
                        parts.forwards, timings)  # fmt: skip
+
+
+def _verify(wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig, readout: Readout,
+            temperature: float) -> None:  # fmt: skip
+    """``run.verify``'s check of a forward-only pass: the sample's values against the stock forward."""
+    dp = data_parallel(wrapped)
+    if dp is not None and dp.kind == "fsdp":
+        raise ValueError(FSDP_VERIFY)
+
+    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss) -> Tensor:
+        return forest_row_readout(wrapped, sub, predictor, target, readout, run=run.unverified,
+                                  temperature=temperature).logprob  # fmt: skip
+
+    verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
+                  gradients=False, what="a forward-only pass")  # fmt: skip
 
 
 def forest_and_masks(inputs, share_prefixes: bool) -> tuple[Forest, list | None]:

@@ -40,7 +40,7 @@ from harts.objectives.losses import (
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
-from harts.runtime.backward import StepResult, forest_backward
+from harts.runtime.backward import FSDP_VERIFY, StepResult, forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
@@ -119,6 +119,8 @@ def forest_step(
     """
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
+    if run.verify and (dp := data_parallel(model)) is not None and dp.kind == "fsdp":
+        raise ValueError(FSDP_VERIFY)
     with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp):
         result, observer = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
     if dp is not None:
@@ -141,6 +143,10 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
         old_logprob = old_logprob.to(device)
 
     loss_fn = _PolicyLoss(rows, config, normalizers, old_logprob)
+    if run.verify:  # before the routers are recorded: the check's forwards are not the step's
+        separable = hasattr(loss_fn, "subset") and getattr(loss_fn, "separable_rows", False)
+        verify_training(model, forest, run, config.temperature, None, separable, "forest_step")
+        run = run.unverified
 
     recorder = RouterRecorder(model) if moe is not None else None
     observer = (

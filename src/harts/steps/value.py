@@ -31,7 +31,7 @@ from harts.objectives.losses import Normalizers, normalizers_for
 from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 from harts.objectives.values import ValueLossConfig, check_value_rows, explained_variance, value_loss
-from harts.runtime.backward import StepResult, forest_backward
+from harts.runtime.backward import FSDP_VERIFY, StepResult, forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step
 from harts.runtime.executor import model_device
@@ -98,6 +98,11 @@ def value_step(
         raise TypeError(f"expected Normalizers (see normalizers_for), got {type(normalizers).__name__}")
     rows = rows.to(model_device(model))
     loss = _ValueLoss(rows, config, normalizers)
+    if run.verify:
+        if dp is not None and dp.kind == "fsdp":
+            raise ValueError(FSDP_VERIFY)
+        verify_training(model, forest, run, 1.0, ScalarReadout(head), True, "value_step")
+        run = run.unverified
     with data_parallel_step(critic, overlap=run.fsdp_overlap) as (_, dp):
         result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
                                  readout=ScalarReadout(head), sharded=dp.sharded if dp is not None else None)

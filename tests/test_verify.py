@@ -1,0 +1,146 @@
+"""``RunConfig(verify=True)``: a call checks a sample of its trajectories against the stock forward.
+
+What must hold: an exact step passes on every family and computes the same bits as without the
+check (loss, metrics, the gradients it adds to what ``.grad`` held); kernels registered through
+``harts.ops.backends`` that are off by 1e-3, in forward (and so in backward) or in backward only,
+are caught on hybrid and full-attention families, with an error naming the trajectory and
+position or the parameter, and the call's gradients are left out of ``.grad``; forward-only
+passes (log-probs, a critic's values) and the critic's step verify too.
+
+The faults scale one op's output (tree attention, the delta rule) by 1 + 1e-3 in forward or its
+gradient in backward: a log-prob then moves by about 1e-3 x its logits' spread (measured
+1.7e-3 - 2.9e-3 on the tiny models, against the bound 2e-4) and the gradients of the layers
+feeding the op by about 1e-3 relative (measured 1.7e-3 - 3.0e-3, against bounds near 1.1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harts
+from harts.ops.backends import Backend, register_backend
+from harts.ops.recurrence import DELTA_RULE
+from harts.ops.tree_attention import tree_attention
+from harts.runtime.verify import sample_trajectories
+from harts.tiny import FAMILIES, tiny_model
+from tests.distributed_worker import batch
+from tests.helpers import one_thread  # noqa: F401 (fixture)
+
+LOSS = harts.PolicyLossConfig(kind="ppo")
+FAULT = 1e-3
+HYBRID = [f for f in ("qwen3_next", "bailing_hybrid") if f in FAMILIES]
+FULL = ["qwen3", "llama"]
+
+
+class _Scale(torch.autograd.Function):
+    """``x * forward`` with the gradient scaled by ``backward``."""
+
+    @staticmethod
+    def forward(ctx, x, forward, backward):
+        ctx.backward = backward
+        return x * forward
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.backward, None, None
+
+
+def _faulty(forward: float, backward: float):
+    def attention(*args, **kwargs):
+        return _Scale.apply(tree_attention(*args, **kwargs), forward, backward)
+
+    def delta_rule(*args, **kwargs):
+        out = DELTA_RULE.chunked(*args, **kwargs)
+        return (_Scale.apply(out[0], forward, backward), *out[1:])
+
+    return lambda: Backend("faulty", {DELTA_RULE.name: delta_rule}, attention)
+
+
+register_backend("test-off-in-forward", _faulty(1 + FAULT, 1 + FAULT))
+register_backend("test-off-in-backward", _faulty(1.0, 1 + FAULT))
+# the delta rule's plain chunked op is the one a backend replaces (the tree plans run their own)
+RUN = harts.RunConfig(budget_tokens=32, linear_plan="depth")
+
+
+def _grads(model) -> dict:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _step(model, rollouts, **run):
+    return harts.rollout_step(model, rollouts, LOSS, run=harts.RunConfig(**{**RUN.__dict__, **run}))
+
+
+def test_the_sample_is_the_deepest_shared_prefix():
+    forest = harts.build_forest([[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [9]])
+    assert sample_trajectories(forest) == [1, 2, 3]
+    assert sample_trajectories(harts.build_forest([[1], [2]])) == [0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_exact_step_passes_and_computes_the_same_bits(family):
+    model = tiny_model(family)
+    rollouts = batch(model.config.vocab_size)[:6]  # two trees, the first cut under the budget
+    held = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = held[n].clone()  # gradients accumulated before the call are kept as they are
+    plain = _step(model, rollouts)
+    want = _grads(model)
+    for n, p in model.named_parameters():
+        p.grad = held[n].clone()
+    checked = _step(model, rollouts, verify=True)
+    got = _grads(model)
+    assert torch.equal(plain.loss, checked.loss)
+    assert plain.metrics.keys() == checked.metrics.keys()
+    assert all(torch.equal(plain.metrics[k], checked.metrics[k]) for k in plain.metrics)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("family", HYBRID + FULL)
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_a_faulty_kernel_is_caught_and_leaves_no_gradient(family, fault):
+    model = tiny_model(family)
+    rollouts = batch(model.config.vocab_size)[:6]
+    named = {"forward": r"trajectory \d+, position \d+: harts' log-prob", "backward": r"parameter model\."}
+    expected = named[fault]
+    with pytest.raises(harts.VerificationError, match=expected) as info:
+        _step(model, rollouts, verify=True, backend=f"test-off-in-{fault}")
+    assert "bound" in str(info.value) and "(fp32)" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+    _step(model, rollouts, backend=f"test-off-in-{fault}")  # unverified, the same call runs
+    assert any(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", HYBRID[:1] + FULL[:1])
+def test_forward_only_passes_verify(family):
+    model = tiny_model(family)
+    rollouts = batch(model.config.vocab_size)[:6]
+    plain = harts.forest_logprobs(model, rollouts, run=RUN)
+    checked = harts.forest_logprobs(model, rollouts, run=harts.RunConfig(**{**RUN.__dict__, "verify": True}))
+    assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, checked.logprobs, strict=True))
+    faulty = harts.RunConfig(**{**RUN.__dict__, "verify": True, "backend": "test-off-in-forward"})
+    with pytest.raises(harts.VerificationError, match="log-prob"):
+        harts.forest_logprobs(model, rollouts, run=faulty)
+
+
+def test_a_critic_verifies_its_values_and_its_step():
+    lm = tiny_model(HYBRID[0])
+    critic = harts.ValueHead(lm)
+    rollouts = batch(lm.config.vocab_size)[:6]
+    run = harts.RunConfig(**{**RUN.__dict__, "verify": True})
+    values = harts.forward_values(critic, rollouts, run=run).values
+    assert all(torch.equal(a, b) for a, b in
+               zip(values, harts.forward_values(critic, rollouts, run=RUN).values, strict=True))  # fmt: skip
+    with_returns = [r.__class__(**{**r.__dict__, "returns": torch.ones(len(r.tokens)), "values": v})
+                    for r, v in zip(rollouts, values, strict=True)]  # fmt: skip
+    plain = harts.value_step(critic, with_returns, run=RUN)
+    want = _grads(critic)
+    checked = harts.value_step(critic, with_returns, run=run)
+    assert torch.equal(plain.loss, checked.loss)
+    got = _grads(critic)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    faulty = harts.RunConfig(**{**RUN.__dict__, "verify": True, "backend": "test-off-in-backward"})
+    with pytest.raises(harts.VerificationError, match="parameter"):
+        harts.value_step(critic, with_returns, run=faulty)
