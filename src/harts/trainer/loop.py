@@ -409,9 +409,11 @@ class _Train(Run):
                 passes = 0.0
             if self.evaluation is not None and self.evaluation.due(position.step, self.total):
                 record.update(self.evaluation(self.wrapped, self.reference, self.ranks))
-            if samples is not None and self.samples.due(position.step, self.total):
-                for line in self.samples(self.model, position.step):
-                    samples.write(line)
+            if self.samples is not None and self.samples.due(position.step, self.total):
+                # every rank calls it: rank 0 alone generates under DDP, every rank under FSDP2
+                for line in self.samples(self.model, position.step, self.ranks):
+                    if samples is not None:
+                        samples.write(line)
             yield record
 
     def checkpoint_state(self) -> dict:
@@ -438,7 +440,7 @@ class _Train(Run):
         if not self.main:
             return
         if self.config.lora is not None:
-            save_adapter(self.model, directory, self.config.lora)
+            save_adapter(self.model, directory, self.config.lora, whole)
         else:
             self.write_model(directory, whole)
 

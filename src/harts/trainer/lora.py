@@ -62,12 +62,28 @@ def attach_lora(model: nn.Module, lora: LoRASection, recorded: str | None = None
     return wrapped, sha256
 
 
-def save_adapter(model: nn.Module, directory: Path, lora: LoRASection) -> None:
+def save_adapter(model: nn.Module, directory: Path, lora: LoRASection, state: dict | None = None) -> None:
     """The adapter in peft's format into ``directory``; with ``merge_on_save``, the merged model
     into ``directory/merged`` (merged on a copy: merging in place and unmerging after would not
-    give back the same bits)."""
+    give back the same bits).
+
+    ``state``: the whole model's state, when ``model`` is sharded by FSDP2 (its parameters are
+    each rank's shards; :func:`~harts.trainer.processes.full_model_state` gathers them): the
+    adapter is written from it, and the merged model is merged on an unsharded copy that holds
+    it, with the bits a copy of the unsharded model would have."""
     with quiet_transformers():
-        model.save_pretrained(directory, safe_serialization=True)
+        model.save_pretrained(directory, safe_serialization=True, state_dict=state)
         if lora.merge_on_save:
-            merged = copy.deepcopy(model).merge_and_unload()
-            merged.save_pretrained(directory / MERGED, safe_serialization=True)
+            plain = copy.deepcopy(model) if state is None else _unsharded_copy(model, state)
+            plain.merge_and_unload().save_pretrained(directory / MERGED, safe_serialization=True)
+
+
+def _unsharded_copy(model: nn.Module, state: dict) -> nn.Module:
+    """A plain peft model of ``model``'s architecture and adapter config holding ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    fresh = AutoModelForCausalLM.from_config(base.config, torch_dtype=base.dtype)
+    plain = _peft().get_peft_model(fresh, copy.deepcopy(model.peft_config["default"]))
+    plain.load_state_dict(state, strict=True)
+    return plain

@@ -102,12 +102,14 @@ def wrap_model(model: nn.Module, ranks: Ranks) -> nn.Module:
 
 def fsdp_shard(model: nn.Module) -> nn.Module:
     """``model`` sharded in place by FSDP2: ``fully_shard`` on each decoder layer, then the model
-    (the units harts' step gathers one at a time)."""
+    (the units harts' step gathers one at a time). A peft model's layers are its base model's:
+    each unit then holds a layer's frozen base weights and its adapters."""
     from torch.distributed.fsdp import fully_shard
 
     from harts.adapters import adapter_for
 
-    for layer in adapter_for(model).backbone(model).layers:
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    for layer in adapter_for(base).backbone(base).layers:
         fully_shard(layer)
     return fully_shard(model)
 

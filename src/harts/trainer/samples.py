@@ -13,10 +13,20 @@ the run starts (before the model loads). Sampling draws from a generator seeded 
 step) inside a forked RNG, so the run's own random state, which a resume restores, is not
 touched, and a resumed run writes the same samples; ``samples.jsonl`` is trimmed to the
 checkpoint's step on resume, as ``metrics.jsonl`` is.
+
+Under torchrun: with DDP every rank holds the whole model, so rank 0 generates alone (with the
+plain module) and the others go on to the next step, where they wait for it. With FSDP2 no rank
+holds the whole model, so every rank runs ``model.generate`` on every prompt with
+``synced_gpus=True`` (transformers keeps every rank stepping until all are done, as under
+ZeRO-3) and FSDP2's own hooks gather each decoder layer's unit for its forward; the root unit
+(embeddings, head) is gathered for the whole call and every unit is resharded after it, as
+harts' own step expects to find them. Every rank computes the same tokens (the same weights, the
+same prompts, the same seeded generator); rank 0 writes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -24,6 +34,7 @@ import torch
 from torch import nn
 
 from harts.trainer.config import TrainConfig
+from harts.trainer.processes import Ranks
 
 __all__ = ["Samples"]
 
@@ -49,20 +60,29 @@ class Samples:
     def due(self, step: int, total: int) -> bool:
         return step % self.section.every_steps == 0 or step == total
 
-    def __call__(self, model: nn.Module, step: int) -> list[dict]:
-        """One record per prompt: its completion by ``model.generate`` with the weights of ``step``."""
+    def __call__(self, model: nn.Module, step: int, ranks: Ranks | None = None) -> list[dict]:
+        """One record per prompt: its completion by ``model.generate`` with the weights of ``step``.
+
+        With ``ranks`` every rank calls it: under DDP (``model`` the plain module) rank 0
+        generates and the others return no records at once; under FSDP2 (``model`` the sharded
+        one) every rank generates in lock step and returns the same records."""
+        if ranks is not None and ranks.strategy == "ddp" and not ranks.main:
+            return []
+        sharded = ranks is not None and ranks.strategy == "fsdp"
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
         out = []
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+            with (torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]),
+                  _gathered(model, device) if sharded else contextlib.nullcontext()):  # fmt: skip
                 torch.manual_seed(self.seed * 1_000_003 + step)
                 for line, prompt in self.prompts:
                     ids = torch.tensor([prompt], device=device)
                     generated = model.generate(
                         input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=not self.section.greedy,
                         max_new_tokens=self.section.max_new_tokens, pad_token_id=0,
+                        **({"synced_gpus": True} if sharded else {}),
                     )  # fmt: skip
                     tokens = generated[0, len(prompt) :].tolist()
                     record = {"step": step, "prompt": line, "prompt_tokens": prompt, "tokens": tokens}
@@ -72,6 +92,30 @@ class Samples:
         finally:
             model.train(was_training)
         return out
+
+
+@contextlib.contextmanager
+def _gathered(model: nn.Module, device: torch.device):
+    """An FSDP2 model ready for ``generate`` on every rank, and every unit resharded after.
+
+    FSDP2 finds its root unit at the first forward through it: one forward of the model (a
+    single token) runs first, so the root found is the model, also when ``generate`` goes
+    around the model's own forward (a peft model generates through its base model), which would
+    otherwise make the first decoder layer to run its own root. The root unit is then gathered
+    for the whole call (a root's parameters are not resharded after its forward; a peft model's
+    root forward is not called at all); decoder layers gather and reshard themselves in their
+    forward hooks. After the call every unit is resharded: harts' step gathers units itself,
+    from sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+        model.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def _read_prompts(path: Path, tokenizer, vocab_size: int | None):
