@@ -3,12 +3,13 @@
 Each subcommand hands its remaining arguments to the module's own ``main`` (``harts.demo``,
 ``harts.trainer.command``, ``harts.rl.command``, ``harts.bench.run``), so ``harts train --help``
 lists the training run's options. An error in the input is one line on stderr and exit status 2
-(``harts --debug ...`` shows the traceback).
+(``harts --debug ...`` shows the traceback); under torchrun, rank 0 prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError, OSError, ImportError) as exc:
         if args.debug:
             raise
-        # one line naming what is wrong; --debug shows where
-        print(f"harts {args.command}: error: {exc}", file=sys.stderr)
+        # one line naming what is wrong; --debug shows where. Under torchrun every rank meets the
+        # same bad input: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"harts {args.command}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -10,6 +10,10 @@ line on stderr, the traceback under ``harts --debug``); 1 when a step's loss or 
 finite; 3 when another rank of a multi-process run failed (died, stopped, or timed out); 130
 after Ctrl-C and 143 after SIGTERM, with the last complete checkpoint left as it is, for
 ``--resume`` to continue from.
+
+Under torchrun an error every rank meets alike (bad input, a diverged step) is printed once, by
+rank 0, and every rank exits with its status (:func:`~harts.trainer.processes.stop_together`);
+a failed collective is printed by each rank that sees it, naming the rank.
 """
 
 from __future__ import annotations
@@ -64,9 +68,13 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from harts.trainer.config import load_config
     from harts.trainer.loop import TrainingDiverged, train
-    from harts.trainer.processes import RankFailure
+    from harts.trainer.processes import RankFailure, reports, stop_together
 
-    config = load_config(args.config)
+    try:
+        config = load_config(args.config)
+    except (ValueError, TypeError, OSError):
+        stop_together()  # under torchrun: every rank meets it; each exits with status 2
+        raise
     out = Path(args.out) if args.out else config.out or Path("runs") / Path(args.config).stem
     handle = _main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
@@ -77,13 +85,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except TrainingDiverged as exc:
-        print(f"harts train: error: {exc}", file=sys.stderr)
+        if reports():  # every rank's step diverged alike: rank 0 says it
+            print(f"harts train: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    except RankFailure as exc:
+    except RankFailure as exc:  # each rank's own (it names the rank)
         print(f"harts train: error: {exc}; resume from the last checkpoint with --resume", file=sys.stderr)
         raise SystemExit(3) from None
     finally:
-        if handle:
+        if handle and signal.getsignal(signal.SIGTERM) is _on_sigterm:  # not when stopping on ranks
             signal.signal(signal.SIGTERM, previous)
 
 

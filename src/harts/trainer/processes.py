@@ -29,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,9 +46,12 @@ from harts.objectives.rows import LossRows
 from harts.plan.ranks import RankCost, TreeAssignment, assign_trees
 
 __all__ = ["Ranks", "start_ranks", "wrap_model", "fsdp_shard", "rank_cost", "local_rollouts", "save_state",
-           "load_state", "RankFailure"]  # fmt: skip
+           "load_state", "RankFailure", "stop_together", "reports"]  # fmt: skip
 
 STATE_DIR = "state"
+# how long a rank that stops on an error every rank meets waits for the others to meet it too: they
+# run the same code on the same input, so they reach it moments apart, not minutes
+STOP_WAIT_S = 30.0
 
 
 class RankFailure(RuntimeError):
@@ -89,6 +95,45 @@ def start_ranks(strategy: str, balance: str, timeout_s: float, device: str) -> R
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return Ranks(dist.get_rank(), dist.get_world_size(), strategy, balance)
+
+
+def reports() -> bool:
+    """Whether this process prints an error every rank meets alike (bad input, a step that
+    diverged): rank 0 of torchrun's ranks, or the only process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def stop_together(wait_s: float = STOP_WAIT_S) -> None:
+    """Under torchrun (nothing on one process): stop on an error every rank meets alike with every
+    rank's exit status the same.
+
+    torchrun terminates the other ranks (SIGTERM) as soon as one exits; a rank terminated before it
+    has met the error itself would report the signal, not the error's status. So from here on this
+    rank ignores SIGTERM, and it waits (at most ``wait_s``) until every rank has stopped, counted in
+    the rendezvous store; before the process group exists (a config error) it joins it to wait.
+    A rank that never comes (the error was this rank's alone) ends the wait at ``wait_s``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    joined = False
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=wait_s))
+            joined = True
+        store = dist.distributed_c10d._get_default_store()
+        key = f"harts/stopped/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        deadline = time.monotonic() + wait_s
+        count = store.add(key, 1)
+        while count < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+            count = store.add(key, 0)
+    except Exception:  # noqa: BLE001 - a peer or the store gone: nothing left to wait for
+        pass
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def wrap_model(model: nn.Module, ranks: Ranks) -> nn.Module:

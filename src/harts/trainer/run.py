@@ -39,7 +39,7 @@ from harts.trainer.checkpoint import Checkpoint, latest, list_checkpoints, prune
 from harts.trainer.inputs import quiet_transformers
 from harts.trainer.logging_backends import open_backends
 from harts.trainer.optim import ParameterSplit, build_optimizers
-from harts.trainer.processes import STATE_DIR, RankFailure, Ranks, load_state, plain_class
+from harts.trainer.processes import STATE_DIR, RankFailure, Ranks, load_state, plain_class, stop_together
 from harts.trainer.progress import PLOTTED, MetricsLog, progress_line, write_plot
 
 __all__ = ["Run", "TrainingDiverged", "collective", "update_metrics", "TRAINER_STATE", "STATE", "CONFIG",
@@ -154,6 +154,10 @@ class Run:
                 result = run.run(resume)
             finished = True
             return result
+        except (ValueError, TrainingDiverged):  # met by every rank alike: every rank's status the same
+            if run is not None and run.ranks is not None:
+                stop_together()
+            raise
         finally:
             torch.set_num_threads(threads)
             if run is not None and run.ranks is not None:
