@@ -75,7 +75,8 @@ def _step(model, rollouts, **run):
 
 def test_the_sample_is_the_deepest_shared_prefix():
     forest = harts.build_forest([[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [9]])
-    assert sample_trajectories(forest) == [1, 2, 3]
+    assert sample_trajectories(forest) == [1, 2]
+    assert sample_trajectories(forest, limit=3) == [1, 2, 3]
     assert sample_trajectories(harts.build_forest([[1], [2]])) == [0]
 
 

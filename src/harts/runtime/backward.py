@@ -70,7 +70,7 @@ from harts.runtime.executor import (
 from harts.runtime.handoff import HandoffBanks, LayerHandoff
 from harts.runtime.readout import Readout, readout_for
 from harts.runtime.sharded import PartSegments, ShardedStep
-from harts.runtime.verify import verify_sample
+from harts.runtime.verify import Verification, verify_sample
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows"]
 
@@ -638,7 +638,7 @@ FSDP_VERIFY = ("RunConfig(verify=True) runs the stock forward of a sample on one
 
 
 def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperature: float, readout,
-                    separable: bool, what: str) -> None:  # fmt: skip
+                    separable: bool, what: str) -> Verification:  # fmt: skip
     """``run.verify``'s check of a training call (:func:`harts.runtime.verify.verify_sample`): harts'
     pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
 
@@ -646,8 +646,8 @@ def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperatur
         return forest_backward(model, sub, predictor, target, loss, run=run.unverified,
                                temperature=temperature, readout=readout).logprob  # fmt: skip
 
-    verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
-                  gradients=True, separable=separable, what=what)  # fmt: skip
+    return verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
+                         gradients=True, separable=separable, what=what)  # fmt: skip
 
 
 def forest_backward(

@@ -10,8 +10,8 @@ model held, the random state), so the call then computes exactly what it compute
 
 The check:
 
-1. **The sample** (:func:`sample_trajectories`): up to four trajectories through the deepest node
-   that several trajectories share (the group, or the branches with the longest common prefix),
+1. **The sample** (:func:`sample_trajectories`): the two shortest trajectories through the
+   deepest node that several trajectories share (the branches with the longest common prefix),
    so the sample's forest has a shared prefix and its parts hand over at a branch; a forest
    without sharing gives its first trajectory.
 2. **harts on the sample's own forest** under the call's budget, kernels and plan (cuts and
@@ -62,7 +62,7 @@ Tensor = torch.Tensor
 LOGPROB_ATOL = 2e-4  # fp32: a log-prob is a logit minus a log-sum-exp, each within 1e-4 of exact
 GRAD_RTOL = 1e-4  # fp32 gradient relative error (the exactness bound)
 LOW_PRECISION_FACTOR = 2.0  # bf16 / fp16: harts' distance to the truth at most this times stock's
-SAMPLE_SIZE = 4
+SAMPLE_SIZE = 2  # the fewest that share a prefix: the check's cost is their stock passes
 _SEED = 20260
 
 
@@ -88,7 +88,8 @@ class Verification:
 
 
 def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
-    """Up to ``limit`` trajectories through the node, shared by several, whose end is deepest."""
+    """The ``limit`` shortest trajectories through the node, shared by several, whose end is
+    deepest (in the call's order)."""
     shared = np.flatnonzero(forest.node_multiplicity.numpy() >= 2)
     if shared.size == 0:
         return [0]
@@ -97,7 +98,9 @@ def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
     end_node = forest.trajectory_end_node.numpy()
     through = np.flatnonzero((end_node >= node) & (end_node < int(forest.node_subtree_end[node])))
     # trajectories ending in the node's subtree pass through it (every path runs root-first)
-    return [int(i) for i in through[:limit]]
+    lengths = forest.trajectory_length.numpy()[through]
+    shortest = through[np.argsort(lengths, kind="stable")[:limit]]
+    return sorted(int(i) for i in shortest)
 
 
 class _RowLoss:

@@ -45,9 +45,10 @@ from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.routers import RouterRecorder
+from harts.runtime.verify import Verification
 from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
 
-__all__ = ["rollout_step", "forest_step", "step_inputs"]
+__all__ = ["rollout_step", "forest_step", "step_inputs", "verify_step"]
 
 Tensor = torch.Tensor
 
@@ -144,8 +145,7 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
 
     loss_fn = _PolicyLoss(rows, config, normalizers, old_logprob)
     if run.verify:  # before the routers are recorded: the check's forwards are not the step's
-        separable = hasattr(loss_fn, "subset") and getattr(loss_fn, "separable_rows", False)
-        verify_training(model, forest, run, config.temperature, None, separable, "forest_step")
+        _verify(model, forest, config, run)
         run = run.unverified
 
     recorder = RouterRecorder(model) if moe is not None else None
@@ -166,6 +166,21 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
                 result.loss = result.loss + aux_coef * stats.aux_loss.detach().to(result.loss.dtype)
                 result.metrics["loss"] = result.loss
     return result, observer
+
+
+def verify_step(model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig | None = None
+                ) -> Verification:  # fmt: skip
+    """``RunConfig(verify=True)``'s check of :func:`forest_step` on ``forest`` alone, computing
+    nothing of the step (what ``harts train`` runs on every rank before a verified update, so the
+    ranks agree on the verdict before the step's collectives). Raises VerificationError."""
+    run = RunConfig.resolve(run)
+    module = resolve_model(unwrap_data_parallel(model))
+    return _verify(module, forest, config, run)
+
+
+def _verify(model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig) -> Verification:
+    separable = config.policy_loss.separable_rows  # the step's loss form (_PolicyLoss)
+    return verify_training(model, forest, run, config.temperature, None, separable, "forest_step")
 
 
 def _agreement(dp: DataParallel | None, recorder: RouterRecorder, aux_coef: float):

@@ -198,16 +198,33 @@ class RunSection:
     hold_tokens: int | str = RunConfig.hold_tokens  # "auto" (the budget) or a token count
     fsdp_overlap: bool = True
     backend: str = "auto"
+    # the step checked against the stock forward: "first" (the first update of a run and the first
+    # after a resume), "never", or N (every N-th update, the first included)
+    verify: str | int = "first"
 
     def __post_init__(self):
         one_of("run.linear_plan", self.linear_plan, [m.value for m in PlanMode])
+        verify = self.verify
+        every = isinstance(verify, int) and not isinstance(verify, bool) and verify >= 1
+        if not (every or (isinstance(verify, str) and verify in ("first", "never"))):
+            raise ValueError(f'run.verify: expected "first", "never" or a positive int, got {verify!r}')
         try:
             self.run_config()
         except ValueError as exc:
             raise ValueError(f"run: {exc}") from None
 
     def run_config(self) -> RunConfig:
-        return RunConfig(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        del fields["verify"]  # which updates are verified is the trainer's; the check is RunConfig's
+        return RunConfig(**fields)
+
+    def verifies(self, update: int, first_of_session: bool) -> bool:
+        """Whether optimizer update ``update`` (1-based) is checked against the stock forward."""
+        if self.verify == "never":
+            return False
+        if first_of_session:
+            return True
+        return isinstance(self.verify, int) and (update - 1) % self.verify == 0
 
 
 @dataclass(frozen=True)
