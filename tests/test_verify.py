@@ -145,3 +145,31 @@ def test_a_critic_verifies_its_values_and_its_step():
     faulty = harts.RunConfig(**{**RUN.__dict__, "verify": True, "backend": "test-off-in-backward"})
     with pytest.raises(harts.VerificationError, match="parameter"):
         harts.value_step(critic, with_returns, run=faulty)
+
+
+def test_harts_train_verifies_its_first_update_and_stops_on_a_failed_check(tmp_path, capsys):
+    """`[run] verify` defaults to "first": update 1 is checked, and a faulty kernel stops the run
+    with exit status 4 and one line, before any optimizer step or checkpoint."""
+    from tests.helpers import run_train, write_config
+
+    family = HYBRID[0]
+    config = write_config(tmp_path / "run.toml", {"steps": 2}, model={"tiny": family},
+                          run={"budget_tokens": 32, "linear_plan": "depth"})  # fmt: skip
+    assert run_train(config, tmp_path / "ok") == 0
+    err = capsys.readouterr().err
+    assert err.count("verified against the stock forward (fp32") == 1, err[-2000:]
+    assert "step 1 verified" in err
+    records = (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()
+    assert '"verify_gradient_ratio"' in records[0] and '"verify_gradient_ratio"' not in records[1]
+    faulty = write_config(tmp_path / "faulty.toml", {"steps": 2}, model={"tiny": family},
+                          run={"budget_tokens": 32, "linear_plan": "depth",
+                               "backend": "test-off-in-backward"})  # fmt: skip
+    assert run_train(faulty, tmp_path / "bad") == 4
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "verification of forest_step failed" in lines[0] and "parameter" in lines[0]
+    written = tmp_path / "bad" / "checkpoints"
+    assert not written.exists() or not list(written.iterdir())
+    never = write_config(tmp_path / "never.toml", {"steps": 1}, model={"tiny": family},
+                         run={"budget_tokens": 32, "linear_plan": "depth", "backend": "test-off-in-backward",
+                              "verify": "never"})  # fmt: skip
+    assert run_train(never, tmp_path / "never") == 0  # unverified, the faulty kernel trains

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from harts.rl.config import load_rl_config
     from harts.rl.loop import TrainingDiverged, run_rl
+    from harts.runtime.verify import VerificationError
 
     config = load_rl_config(args.config).with_overrides(layout=args.layout, steps=args.steps)
     default = Path("runs") / f"{Path(args.config).stem}-{config.layout}"
@@ -59,3 +60,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     except TrainingDiverged as exc:
         print(f"harts rl: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except VerificationError as exc:  # [run] verify: the step's check against the stock forward
+        print(f"harts rl: error: {exc}", file=sys.stderr)
+        raise SystemExit(4) from None

@@ -27,6 +27,7 @@ held-out episodes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +102,7 @@ class _RL(Run):
         self.layout = Layout(config.layout)
         self.loss = config.loss_config()
         self.run_config = config.run.run_config()
+        self.updated = False  # an update ran in this session (the first is verified by default)
         self.total, self.wall, self.rewards = config.steps, 0.0, []
 
     def setup(self, resume: bool) -> Checkpoint | None:
@@ -150,9 +152,16 @@ class _RL(Run):
 
     def update(self, rollouts: list[Rollout]) -> tuple[StepResult, Forest, float, dict]:
         config = self.config
+        verify = config.run.verifies(self.step + 1, not self.updated)
+        run = dataclasses.replace(self.run_config, verify=True) if verify else self.run_config
+        began = time.perf_counter()
         with self.numbered():
-            result, forest = rl_step(self.model, rollouts, config.objective, self.loss, self.run_config,
-                                     self.layout)  # fmt: skip
+            result, forest = rl_step(self.model, rollouts, config.objective, self.loss, run, self.layout)
+        if verify:
+            took = time.perf_counter() - began
+            self.say(f"step {self.step + 1} verified against the stock forward (a sample of its "
+                     f"trajectories, within the bounds of docs/verification.md; {took:.2f} s with the check)")
+        self.updated = True
         grad_norm, lrs = self.clip_and_step(result)
         return result, forest, grad_norm, lrs
 

@@ -7,7 +7,8 @@ changed file and prints what changed.
 
 Exit status: 0 when the run is done; 2 for bad input (config, data, a refused checkpoint: one
 line on stderr, the traceback under ``harts --debug``); 1 when a step's loss or gradient is not
-finite; 3 when another rank of a multi-process run failed (died, stopped, or timed out); 130
+finite; 3 when another rank of a multi-process run failed (died, stopped, or timed out); 4 when
+the step's check against the stock forward failed (``[run] verify``: before that update); 130
 after Ctrl-C and 143 after SIGTERM, with the last complete checkpoint left as it is, for
 ``--resume`` to continue from.
 
@@ -34,7 +35,8 @@ files written under OUT:
                                       the config; manifest.json (sizes, sha256) is written last;
                                       with [critic], the critic in critic/
 several processes: torchrun --nproc_per_node=N -m harts train CONFIG.toml (section [distributed])
-exit status: 0 done, 1 a non-finite step, 2 bad input, 3 another rank failed, 130 interrupted (143 on SIGTERM)
+exit status: 0 done, 1 a non-finite step, 2 bad input, 3 another rank failed, 4 the step's check against
+the stock forward failed ([run] verify), 130 interrupted (143 on SIGTERM)
 config reference: docs/training.md"""
 
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.accept_changed_data and not args.resume:
         parser.error("--accept-changed-data goes with --resume (it lets a resume continue on a changed file)")
 
+    from harts.runtime.verify import VerificationError
     from harts.trainer.config import load_config
     from harts.trainer.loop import TrainingDiverged, train
     from harts.trainer.processes import RankFailure, reports, stop_together
@@ -88,6 +91,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         if reports():  # every rank's step diverged alike: rank 0 says it
             print(f"harts train: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except VerificationError as exc:  # the ranks agreed on it before the step: rank 0 says it
+        if reports():
+            print(f"harts train: error: {exc}", file=sys.stderr)
+        raise SystemExit(4) from None
     except RankFailure as exc:  # each rank's own (it names the rank)
         print(f"harts train: error: {exc}; resume from the last checkpoint with --resume", file=sys.stderr)
         raise SystemExit(3) from None

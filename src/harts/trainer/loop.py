@@ -47,7 +47,8 @@ from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
-from harts.steps.policy import forest_step, step_inputs
+from harts.runtime.verify import Verification, VerificationError
+from harts.steps.policy import forest_step, step_inputs, verify_step
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
@@ -94,7 +95,8 @@ def train_step(
     run: RunConfig,
     moe: MoEConfig | None,
     ranks: Ranks | None = None,
-) -> tuple[StepResult, Forest]:
+    verify: bool = False,
+) -> tuple[StepResult, Forest, Verification | None]:
     """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
     path (:func:`~harts.steps.policy.step_inputs`, then :func:`harts.forest_step`) with the advantages
     estimated on the step's rows in between when ``objective.advantage`` names an estimator.
@@ -102,7 +104,11 @@ def train_step(
     With ``ranks``, ``model`` is the wrapped model: every rank checks the whole step and
     estimates its advantages (an error on any rank stops every rank with the same message), then
     trains on its own trees, normalisers and gradients summed over the ranks. The forest returned
-    is the whole step's."""
+    is the whole step's.
+
+    ``verify``: before the step, each rank checks its own trees against the stock forward
+    (:func:`harts.steps.policy.verify_step`); the ranks agree on the verdict, and a failure on
+    any rank raises VerificationError on every rank before any gradient is computed."""
     error, prepared = None, None
     try:
         prepared = _prepare(model, rollouts, objective, loss, ranks)
@@ -113,11 +119,26 @@ def train_step(
     if error is not None:
         raise ValueError(error)
     forest, rows, local_forest, local_rows = prepared
+    report = _verify(model, local_forest, loss, run, ranks) if verify else None
     reduce = None if ranks is None else all_reduce_sum
     normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
     result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
                         moe=moe)  # fmt: skip
-    return result, forest
+    return result, forest, report
+
+
+def _verify(model, forest: Forest, loss: PolicyLossConfig, run: RunConfig, ranks: Ranks | None
+            ) -> Verification | None:  # fmt: skip
+    error, report = None, None
+    try:
+        report = verify_step(model, forest, loss, run)
+    except VerificationError as exc:
+        error = str(exc)
+    if ranks is not None:
+        error = collective(ranks.agree, error)
+    if error is not None:
+        raise VerificationError(error)
+    return report
 
 
 def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig, ranks: Ranks | None):
@@ -189,6 +210,7 @@ class _Train(Run):
         super().__init__(config, out, log, ranks)
         self.accept_changed_data, self.data_changed = accept_changed_data, False
         self.current: StepUpdates | None = None  # the step of rollouts whose updates are running
+        self.updated = False  # an update ran in this session (the first is verified by default)
 
     @property
     def step(self) -> int:
@@ -285,6 +307,11 @@ class _Train(Run):
             if self.data_changed and self.position.fit(self.steps_per_epoch):
                 self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
                          f"start of epoch {self.position.epoch}")  # fmt: skip
+        self.verifying = config.run.verify != "never"
+        if self.verifying and self.ranks is not None and self.ranks.strategy == "fsdp":
+            self.verifying = False  # the stock forward of a sample cannot run on one rank of a sharded model
+            self.say("run.verify: not under FSDP2 (a rank cannot run the stock forward of its sample alone "
+                     "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
         if self.ranks is not None:
             self.say(f"{self.ranks.world_size} ranks ({self.ranks.strategy}, trees balanced by "
                      f"{self.ranks.balance}, {torch.distributed.get_backend()})")  # fmt: skip
@@ -358,12 +385,21 @@ class _Train(Run):
                                self.critic, values, self.ranks)  # fmt: skip
 
     def update(self, rollouts: list[Rollout], objective: ObjectiveConfig
-               ) -> tuple[StepResult, Forest, float, dict]:  # fmt: skip
+               ) -> tuple[StepResult, Forest, float, dict, Verification | None]:  # fmt: skip
+        verify = self.verifying and self.config.run.verifies(self.step + 1, not self.updated)
         with self.numbered():
-            result, forest = train_step(self.wrapped, rollouts, objective, self.loss_config,
-                                        self.run_config, self.moe, self.ranks)  # fmt: skip
+            result, forest, report = train_step(self.wrapped, rollouts, objective, self.loss_config,
+                                                self.run_config, self.moe, self.ranks, verify)  # fmt: skip
+        self.updated = True
+        if report is not None:
+            whose = "this rank's trees" if self.ranks else "the step"
+            self.say(f"step {self.step + 1} verified against the stock forward ({report.precision}, "
+                     f"trajectories {list(report.trajectories)} of {whose}, "
+                     f"{report.tokens} tokens): worst log-prob {report.value_error:.2g} from the truth "
+                     f"(bound {report.value_bound:.2g}), gradients at {report.gradient_ratio:.2g} of their "
+                     f"bounds; {report.seconds:.2f} s")  # fmt: skip
         grad_norm, lrs = self.clip_and_step(result)
-        return result, forest, grad_norm, lrs
+        return result, forest, grad_norm, lrs, report
 
     def updates(self) -> Iterator[dict]:
         position = self.position
@@ -388,8 +424,11 @@ class _Train(Run):
             if position.step == self.total:
                 return
             began = time.perf_counter()
-            result, forest, grad_norm, lrs = self.update(update.rollouts, step.objective)
+            result, forest, grad_norm, lrs, verified = self.update(update.rollouts, step.objective)
             seconds = time.perf_counter() - began
+            if verified is not None:  # the step's own time; the check's is its own figure
+                seconds -= verified.seconds
+                self.session += verified.seconds
             critic = None
             if self.critic is not None:
                 with self.numbered():
@@ -402,6 +441,10 @@ class _Train(Run):
                              len(update.rollouts))  # fmt: skip
             if config.ppo is not None:
                 record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
+            if verified is not None:
+                record.update(verify_seconds=verified.seconds, verify_logprob_error=verified.value_error,
+                              verify_logprob_bound=verified.value_bound,
+                              verify_gradient_ratio=verified.gradient_ratio)  # fmt: skip
             if critic is not None:
                 record.update(critic)
             if config.ppo is not None or config.reference is not None or critic is not None:
