@@ -363,6 +363,32 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def table_by_ranks(results: list[dict]) -> str:
+    """Markdown, one model's runs: a row per figure (held after set-up, each phase's peak: max over
+    ranks), a column per N: stock and harts in MiB, harts in P, and harts / stock."""
+    runs = sorted((r for r in results if "error" not in r), key=lambda r: r["world"])
+    whole = runs[0]["param_bytes"]
+    head = " | ".join(f"N = {r['world']}: stock / harts (MiB), harts in P, harts / stock" for r in runs)
+    lines = [f"| P = {whole / MIB:.2f} MiB | {head} |", "|---|" + "---|" * len(runs)]
+    tops = [_top(r) for r in runs]
+    for row in ("held", *PHASES):
+        cells = []
+        for top in tops:
+            stock, tree = top.get("stock", {}).get(row), top.get("harts", {}).get(row)
+            if row == "held":
+                cells.append(f"{tree / MIB:,.1f} ({tree / whole:.2f} P)")
+                continue
+            cells.append(f"{stock / MIB:,.1f} / {tree / MIB:,.1f}, {tree / whole:.2f} P, {tree / stock:.2f}")
+        name = "held after set-up" if row == "held" else f"{row} peak"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cells = []
+    for top in tops:  # what the rank holds at its highest: set-up plus the largest phase peak
+        stock, tree = (top[v]["held"] + max(top[v][p] for p in PHASES) for v in ("stock", "harts"))
+        cells.append(f"{stock / MIB:,.1f} / {tree / MIB:,.1f}, {tree / whole:.2f} P, {tree / stock:.2f}")
+    lines.append("| held + largest peak | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen3_next:tiny", "qwen3:wide"])
@@ -397,6 +423,10 @@ def main() -> None:
                 with open(a.out, "w") as f:
                     json.dump(results, f, indent=1)
     print(table(results))
+    for spec in a.models:
+        mine = [r for r in results if r.get("model") == spec]
+        if any("error" not in r for r in mine):
+            print(f"\n{spec}\n" + table_by_ranks(mine))
 
 
 if __name__ == "__main__":
