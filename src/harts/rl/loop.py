@@ -53,6 +53,7 @@ from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
 from harts.trainer.logging_backends import check_backends
 from harts.trainer.run import Run, TrainingDiverged, update_metrics
+from harts.trainer.throughput import Throughput
 
 __all__ = ["run_rl", "rl_step", "step_randomness", "TrainingDiverged"]
 
@@ -130,6 +131,7 @@ class _RL(Run):
             own_memory(self.model)
             self.model.train()
         self.wrapped = self.model
+        self.throughput = Throughput(self.model)
         split = self.build_optimizers(config.steps)
         if start is not None:
             self.restore_optimizers(start)
@@ -201,6 +203,12 @@ class _RL(Run):
             wall_seconds=self.wall,
             computed_tokens_per_s=computed / train_s,
         )
+        rates = self.throughput.record(forest, sample.rollouts, train_s)
+        record.update(loss_tokens=rates["loss_tokens"], loss_tokens_per_s=rates["loss_tokens_per_s"],
+                      flat_tokens_per_s=rates["flat_tokens_per_s"])  # fmt: skip
+        if "model_flops_per_s" in rates:  # the layout's own work: the flat one computes every token
+            tree = self.layout is Layout.TREE
+            record["model_flops_per_s"] = rates["model_flops_per_s" if tree else "flat_flops_per_s"]
         return record
 
     def checkpoint_state(self) -> dict:

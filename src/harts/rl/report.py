@@ -33,8 +33,9 @@ def progress_line(record: dict, total: int, eta: float) -> str:
         f"reward {record['reward']:.3f}",
         f"loss {record['loss']:.4f}",
         f"gnorm {record['grad_norm']:.3g}",
-        f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat "
-        f"(shared {record['redundancy']:.1f}x)",
+        f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat, "
+        f"{record['loss_tokens']:,} loss (shared {record['redundancy']:.1f}x)",
+        *([f"{record['model_flops_per_s'] / 1e12:.3g} TFLOP/s"] if "model_flops_per_s" in record else []),
         f"sample {record['sample_seconds']:.2f} s train {record['train_seconds']:.2f} s",
         f"eta {_duration(eta)}",
     ])  # fmt: skip

@@ -83,6 +83,7 @@ from harts.trainer.processes import (
 from harts.trainer.progress import MetricsLog
 from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
+from harts.trainer.throughput import Throughput
 
 __all__ = ["train", "train_step", "TrainingDiverged"]
 
@@ -160,19 +161,11 @@ def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig
 
 
 def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
-            seconds: float, rollouts: int) -> dict:  # fmt: skip
+            seconds: float, rollouts: list[Rollout], throughput: Throughput) -> dict:  # fmt: skip
     record = {"step": step, "epoch": epoch, **update_metrics(result, grad_norm, lrs)}
-    record.update(
-        rollouts=rollouts,
-        unique_tokens=forest.num_tokens,
-        flat_tokens=forest.num_flat_tokens,
-        redundancy=forest.redundancy,
-        micro_batches=result.num_micro_batches,
-        recomputed_parts=len(result.recomputed_parts),
-        seconds=seconds,
-        unique_tokens_per_s=forest.num_tokens / seconds,
-        flat_tokens_per_s=forest.num_flat_tokens / seconds,
-    )
+    record.update(rollouts=len(rollouts), micro_batches=result.num_micro_batches,
+                  recomputed_parts=len(result.recomputed_parts), seconds=seconds,
+                  **throughput.record(forest, rollouts, seconds))  # fmt: skip
     return record
 
 
@@ -265,6 +258,7 @@ class _Train(Run):
                 )
         frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
         self.wrapped = self.model
+        self.throughput = Throughput(self.model, self.ranks.world_size if self.ranks is not None else 1)
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
@@ -437,8 +431,8 @@ class _Train(Run):
             self.session += seconds
             position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
                              self.steps_per_epoch, config.ppo)  # fmt: skip
-            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds,
-                             len(update.rollouts))  # fmt: skip
+            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds, update.rollouts,
+                             self.throughput)  # fmt: skip
             if config.ppo is not None:
                 record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
             if verified is not None:

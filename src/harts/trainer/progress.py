@@ -60,7 +60,8 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(record: dict, total: int, eta_seconds: float) -> str:
-    """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat) | ...``
+    """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat, 9,800 loss)
+    | shared 6.84x | 0.021 TFLOP/s (MFU 31.2% on a known CUDA device) | ...``
     (with a critic, its value loss and explained variance after ``gnorm``)."""
     parts = [
         f"step {record['step']}/{total}",
@@ -71,12 +72,19 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
         f"gnorm {record['grad_norm']:.3g}",
         *([f"vloss {record['value_loss']:.4f}", f"ev {record['explained_variance']:.3f}"]
           if "value_loss" in record else []),  # fmt: skip
-        f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat)",
+        f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat"
+        + (f", {record['loss_tokens_per_s']:,.0f} loss)" if "loss_tokens_per_s" in record else ")"),
         f"shared {record['redundancy']:.2f}x",
+        *([_flops(record)] if "model_flops_per_s" in record else []),
         f"{record['seconds']:.2f} s/step",
         f"eta {_duration(eta_seconds)}",
     ]
     return " | ".join(parts)
+
+
+def _flops(record: dict) -> str:
+    text = f"{record['model_flops_per_s'] / 1e12:.3g} TFLOP/s"
+    return text + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
 
 
 PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "value_loss",
