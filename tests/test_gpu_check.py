@@ -87,16 +87,37 @@ def test_on_cuda_the_stages_run_through_the_child_with_the_chosen_tuning_and_fam
     monkeypatch.setattr("harts.bench.gpu_check._stage", record)
     assert main(["--out", str(tmp_path), "--autotune", "full", "--families", "qwen3_next"]) == 0
     assert [(n, log, share) for n, _, log, share in seen] == [
-        ("tests", "tests.log", 0.3), ("tests-kernels", "tests-kernels.log", 0.35),
-        ("bench-fla", "bench-fla.log", 0.5), ("bench-torch", "bench-torch.log", 1.0)]  # fmt: skip
+        ("verify", "verify.log", 0.3), ("tests", "tests.log", 0.3),
+        ("tests-kernels", "tests-kernels.log", 0.35), ("bench-fla", "bench-fla.log", 0.5),
+        ("bench-torch", "bench-torch.log", 1.0)]  # fmt: skip
     for _, cmd, _, _ in seen:
         assert cmd[1:7] == ["-X", "faulthandler", "-m", "harts.bench.gpu_child", "--autotune", "full"]
-    assert seen[0][1][7:12] == ["pytest", "-q", "-p", "no:cacheprovider", "-m"]
-    assert "tests_kernels" in seen[1][1]
-    assert "tests/test_gpu_backend.py" in seen[0][1]
-    bench = seen[2][1]
+    verify = seen[0][1]  # first: every family checked against the stock forward under fla
+    assert verify[7] == "harts.bench.verify_families" and verify[verify.index("--backend") + 1] == "fla"
+    assert seen[1][1][7:12] == ["pytest", "-q", "-p", "no:cacheprovider", "-m"]
+    assert "tests_kernels" in seen[2][1]
+    assert "tests/test_gpu_backend.py" in seen[1][1]
+    bench = seen[3][1]
     assert bench[7] == "harts.bench.run" and bench[bench.index("--families") + 1] == "qwen3_next"
     assert bench[bench.index("--backend") + 1] == "fla" and bench[bench.index("--device") + 1] == "cuda"
     results = json.loads((tmp_path / "gpu-check.json").read_text())
     assert results["autotune"] == "full" and results["bench"] == {"fla": [], "torch": []}
     assert "triton's autotuning" in (tmp_path / "gpu-check.md").read_text()
+
+
+def test_the_verify_stage_checks_each_precision_and_its_table_names_them(tmp_path):
+    """The stage's module on the CPU with plain PyTorch: a row per (family, precision), each passed."""
+    from harts.bench.gpu_check import table
+    from harts.bench.verify_families import main as verify_main
+
+    out = tmp_path / "verify.json"
+    args = ["--device", "cpu", "--backend", "torch", "--families", "qwen3", "--out", str(out)]
+    assert verify_main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["family"], r["precision"], r["status"]) for r in rows] == [
+        ("qwen3", p, "passed") for p in ("fp32", "bf16-autocast", "bf16-params")]  # fmt: skip
+    assert all(r["logprob_error"] <= r["logprob_bound"] and r["gradient_ratio"] <= 1 for r in rows)
+    results = dict(device="a test device", torch=torch.__version__, autotune="first", stages=[], bench={},
+                   verify=rows)  # fmt: skip
+    text = table(results)
+    assert "| qwen3 | bf16-params | passed |" in text and "against the stock forward" in text

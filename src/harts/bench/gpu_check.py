@@ -3,6 +3,10 @@
 Stages, each a child process given a share of the time left (the whole check stops at
 ``--time-limit`` seconds, 480 by default; a stage that runs long leaves time for the benches):
 
+0. ``verify``: every family's step checked against the stock forward on the GPU with the ``fla``
+   backend, in fp32, bf16 autocast and bf16 parameters (:mod:`harts.bench.verify_families`,
+   ``RunConfig(verify=True)``'s check), first, so the first minute says whether the GPU path is
+   exact; a row per (family, precision) in the table;
 1. ``tests``: every test that needs a CUDA device: the ``gpu``-marked tests of ``tests/`` (the
    ``fla`` backend's model-level forward and backward against the stock fp64 reference, and the
    fp32 / bf16 precision comparison with stock) and ``tests_kernels/`` on the device (fla's delta
@@ -104,6 +108,11 @@ def table(results: dict) -> str:
     lines = [f"GPU check on {results['device']} (torch {results['torch']}{tuning})", "",
              "| stage | status | seconds |", "|---|---|---:|"]  # fmt: skip
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.0f} |" for s in results["stages"]]
+    if results.get("verify"):
+        from harts.bench.verify_families import table as verify_table
+
+        lines += ["", "Each family's step against the stock forward (RunConfig(verify=True)'s check):", "",
+                  verify_table(results["verify"]).rstrip("\n")]  # fmt: skip
     rows = [(backend, r) for backend, rs in results["bench"].items() for r in rs]
     if rows:
         head = "| backend | family | shape | R | FLOP-ideal | tree / best flat | share of ideal | flat best |"
@@ -143,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         stage("cpu-tests", [*pytest, *CPU_TESTS])
     else:
         # shares of the time left: a slow stage leaves time for the benches
+        verify_json = out / "verify.json"
+        stage("verify", [*child, "harts.bench.verify_families", "--device", "cuda", "--backend", "fla",
+                         "--out", str(verify_json)], 0.3)  # fmt: skip
+        results["verify"] = json.loads(verify_json.read_text()) if verify_json.exists() else []
         stage("tests", [*pytest, "-m", "gpu", *gpu_test_files()], 0.3)
         stage("tests-kernels", [*pytest, "tests_kernels"], 0.35)
         for backend, share in (("fla", 0.5), ("torch", 1.0)):
