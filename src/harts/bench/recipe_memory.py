@@ -364,8 +364,9 @@ def table(results: list[dict]) -> str:
 
 
 def table_by_ranks(results: list[dict]) -> str:
-    """Markdown, one model's runs: a row per figure (held after set-up, each phase's peak: max over
-    ranks), a column per N: stock and harts in MiB, harts in P, and harts / stock."""
+    """Markdown, one model's runs (both variants measured): a row per figure (held after set-up,
+    each phase's peak: max over ranks), a column per N: stock and harts in MiB, harts in P, and
+    harts / stock."""
     runs = sorted((r for r in results if "error" not in r), key=lambda r: r["world"])
     whole = runs[0]["param_bytes"]
     head = " | ".join(f"N = {r['world']}: stock / harts (MiB), harts in P, harts / stock" for r in runs)
@@ -423,7 +424,7 @@ def main() -> None:
                 with open(a.out, "w") as f:
                     json.dump(results, f, indent=1)
     print(table(results))
-    for spec in a.models:
+    for spec in a.models if {"stock", "harts"} <= set(a.variants) else []:
         mine = [r for r in results if r.get("model") == spec]
         if any("error" not in r for r in mine):
             print(f"\n{spec}\n" + table_by_ranks(mine))
