@@ -212,3 +212,19 @@ def test_unsupported_setups_are_refused(model_dir, tmp_path):
                 model=str(model_dir), reward_funcs=Recorder(), args=config(tmp_path, **precision),
                 processing_class=tokenizer(), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
             )  # fmt: skip
+
+
+def test_the_first_step_verifies_itself_and_can_be_told_not_to(model_dir, tmp_path):
+    """``harts_verify`` (on by default): the first training step checks a sample of its batch
+    against the stock forward; a tree-attention kernel off by 1e-3 in backward only is caught
+    before any update, and with ``harts_verify=False`` the same run trains."""
+    from harts import VerificationError
+    from harts.ops.backends import register_backend
+    from tests.test_verify import _faulty
+
+    register_backend("trl-off-in-backward", _faulty(1.0, 1.001))
+    faulty = RunConfig(backend="trl-off-in-backward")
+    with pytest.raises(VerificationError, match=r"TRL's GRPOTrainer step failed \(fp32\).*parameter"):
+        train(GRPOTrainer, model_dir, tmp_path / "checked", harts_run=faulty)
+    _, _, params = train(GRPOTrainer, model_dir, tmp_path / "unchecked", harts_run=faulty, harts_verify=False)
+    assert len(params) == 3  # two optimizer steps ran

@@ -112,7 +112,10 @@ def test_bf16_grpo_no_worse_than_stock_trl(variant, model_dir, tmp_path):
     truth = run(StockRun, model_dir, tmp_path / "fp32", False, overrides)
     stock = run(StockRun, model_dir, tmp_path / "stock", True, overrides)
     harts_run = RunConfig(budget_tokens=budget)
-    tree = run(HartsRun, model_dir, tmp_path / "harts", True, overrides, harts_run=harts_run)
+    # the dtypes seen are the step's: the first step's check against the stock forward (its own
+    # fp32 truth run) is off here; tests/test_verify.py and harts.bench.verify_families cover it
+    tree = run(HartsRun, model_dir, tmp_path / "harts", True, overrides, harts_run=harts_run,
+               harts_verify=False)
     trainer = tree[0]
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.native_amp
     assert trainer._harts_redundancy > 1.3, "the groups' prompts ran once"

@@ -150,13 +150,20 @@ class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token log-probs and entropies come from harts' tree forward.
 
     Takes TRL's arguments unchanged, plus ``harts_run`` (a :class:`harts.RunConfig`: token
-    budget, linear plan, head chunk; it changes time and memory, never values) and
-    ``share_prefixes`` (False runs each sequence on its own through harts: the flat baseline).
+    budget, linear plan, head chunk; it changes time and memory, never values),
+    ``share_prefixes`` (False runs each sequence on its own through harts: the flat baseline) and
+    ``harts_verify`` (True by default: the first training step checks a sample of its batch
+    against the model's stock forward on this device and dtype before computing, and raises
+    :class:`harts.VerificationError` when harts is off, docs/verification.md; False skips it).
     """
 
-    def __init__(self, *args, harts_run: RunConfig | None = None, share_prefixes: bool = True, **kwargs):
+    def __init__(self, *args, harts_run: RunConfig | None = None, share_prefixes: bool = True,
+                 harts_verify: bool = True, **kwargs):  # fmt: skip
         self.harts_run = RunConfig.resolve(harts_run)
         self.share_prefixes = bool(share_prefixes)
+        self._verify_every_step = self.harts_run.verify  # verify=True in harts_run: every step
+        self.harts_verify = bool(harts_verify) or self._verify_every_step
+        self.harts_run = self.harts_run.unverified  # the check runs here, on the batch, once (or every step)
         self._harts_supplied: tuple[Tensor, Tensor, Tensor | None] | None = None
         super().__init__(*args, **kwargs)
         family = getattr(_base_model(self.model).config, "model_type", None)
@@ -240,11 +247,40 @@ class GRPOTrainer(trl.GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; with a budget or under DDP (see the module docstring) its gradients are
         accumulated into ``.grad`` here, and the returned leaf's backward adds nothing."""
+        if self.harts_verify and torch.is_grad_enabled():
+            self._verify(model, inputs)
         if not (self._harts_steps(model) and torch.is_grad_enabled()):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         return self._harts_step(model, inputs).requires_grad_()
+
+    def _verify(self, model, inputs) -> None:
+        """The batch's check against the stock forward (:mod:`harts.runtime.verify`), before its
+        step, on every process on its own batch; the processes agree on the verdict first, so all
+        stop together. Once, unless ``harts_run.verify`` asks for every step."""
+        from harts.runtime.backward import verify_training
+        from harts.runtime.executor import resolve_model
+        from harts.runtime.verify import VerificationError
+
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        rows = _Rows(input_ids, attention_mask, inputs["completion_ids"].size(1), self.share_prefixes)
+        module = resolve_model(unwrap_data_parallel(model))
+        error = None
+        try:
+            with self._autocast():
+                verify_training(module, rows.forest, self.harts_run, self.temperature, None, False,
+                                "TRL's GRPOTrainer step")  # fmt: skip
+        except VerificationError as exc:
+            error = str(exc)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            found: list[str | None] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(found, error)
+            error = next((e for e in found if e is not None), None)
+        if error is not None:
+            raise VerificationError(error)
+        self.harts_verify = self._verify_every_step
 
     def _harts_step(self, model, inputs) -> Tensor:
         """One harts step over the batch's forest; TRL's ``_compute_loss`` is the loss of its rows
