@@ -329,6 +329,31 @@ def test_a_dead_rank_stops_the_others_and_the_run_resumes(tmp_path):
 HUNG_TIMEOUT_S = 20
 
 
+def lose_rank_one(config: Path, out: Path, fault: str, gather: int,
+                  timeout: float) -> tuple[str, int, str, float]:  # fmt: skip
+    """``harts train`` on two ranks whose rank 1 runs tests/fault_worker.py (``fault`` at its
+    ``gather``-th decoder-layer gather): (rank 1's line saying where it stopped, rank 0's exit
+    status and stderr, seconds rank 0 took to stop after that line)."""
+    harts_args = ["train", str(config), "--out", str(out)]
+    faulty = [sys.executable, str(HERE / "fault_worker.py"), fault, str(gather), *harts_args]
+    procs = _two_ranks([[sys.executable, "-m", "harts", *harts_args], faulty])
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while "fault_worker:" not in line:  # rank 1 says where it stops before it does
+            assert time.monotonic() < deadline and procs[1].poll() in (None, -signal.SIGKILL), "no fault"
+            line = procs[1].stderr.readline()
+            assert line or procs[1].poll() is None, "rank 1 ended before its fault"
+        lost_at = time.monotonic()
+        _, stderr = procs[0].communicate(timeout=timeout)
+        waited = time.monotonic() - lost_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    return line, procs[0].returncode, stderr, waited
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fault, gather, phase", [("die", 1, "forward"), ("die", 7, "backward"),
                                                   ("hang", 7, "backward")],
@@ -343,26 +368,9 @@ def test_a_rank_lost_inside_a_layer_gather_stops_the_other_within_the_timeout(fa
     config.write_text(text)
     assert f"timeout_s = {HUNG_TIMEOUT_S}" in text
     out = tmp_path / "run"
-    harts_args = ["train", str(config), "--out", str(out)]
-    faulty = [sys.executable, str(HERE / "fault_worker.py"), fault, str(gather), *harts_args]
-    procs = _two_ranks([[sys.executable, "-m", "harts", *harts_args], faulty])
-    try:
-        lost_at, line = None, ""
-        deadline = time.monotonic() + 180
-        while "fault_worker:" not in line:  # rank 1 says where it stops before it does
-            assert time.monotonic() < deadline and procs[1].poll() in (None, -signal.SIGKILL), "no fault"
-            line = procs[1].stderr.readline()
-            assert line or procs[1].poll() is None, "rank 1 ended before its fault"
-        lost_at = time.monotonic()
-        assert f"{fault} at layer gather {gather}" in line and f", {phase})" in line, line
-        _, stderr = procs[0].communicate(timeout=HUNG_TIMEOUT_S + 120)
-        waited = time.monotonic() - lost_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-    assert procs[0].returncode == 3, stderr[-3000:]
+    line, code, stderr, waited = lose_rank_one(config, out, fault, gather, HUNG_TIMEOUT_S + 120)
+    assert f"{fault} at layer gather {gather}" in line and f", {phase})" in line, line
+    assert code == 3, stderr[-3000:]
     assert "a collective with the other ranks failed" in stderr and "--resume" in stderr, stderr[-3000:]
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("*.tmp*"))
     if fault == "die":  # a closed connection is seen at once, long before the timeout

@@ -180,34 +180,12 @@ def test_a_rank_that_dies_in_the_reference_pass_stops_the_other(tmp_path):
     """Rank 1 dies (SIGKILL) at its first decoder-layer gather, which under FSDP2 is in the
     reference's forward-only pass, before any update; rank 0, inside that pass's gathers, fails
     with the run's message (exit status 3) long before distributed.timeout_s."""
-    import os
-    import signal
-    import sys
-    import time
-
-    from tests.test_distributed import HERE, _two_ranks
+    from tests.test_distributed import lose_rank_one
 
     config = _config(tmp_path, "fsdp")
-    out = tmp_path / "run"
-    harts_args = ["train", str(config), "--out", str(out)]
-    faulty = [sys.executable, str(HERE / "fault_worker.py"), "die", "1", *harts_args]
-    procs = _two_ranks([[sys.executable, "-m", "harts", *harts_args], faulty])
-    try:
-        line, deadline = "", time.monotonic() + 180
-        while "fault_worker:" not in line:
-            assert time.monotonic() < deadline, "no fault"
-            line = procs[1].stderr.readline()
-            assert line or procs[1].poll() is None, "rank 1 ended before its fault"
-        lost_at = time.monotonic()
-        _, stderr = procs[0].communicate(timeout=240)
-        waited = time.monotonic() - lost_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+    line, code, stderr, waited = lose_rank_one(config, tmp_path / "run", "die", 1, 240)
     assert "layer gather 1" in line and "forward" in line, line
-    assert procs[0].returncode == 3, stderr[-3000:]
+    assert code == 3, stderr[-3000:]
     assert "a collective with the other ranks failed" in stderr, stderr[-3000:]
     assert "step 1/" not in stderr  # it stopped in the passes, before the first update
     assert waited < 60, waited  # a closed connection is seen at once (timeout_s is 120)
