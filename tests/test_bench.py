@@ -10,12 +10,12 @@ import torch
 
 import harts
 from harts.bench.cases import BenchConfig, build_case, flat_budgets, make_trajectories, variant_fns
-from harts.bench.flops import flop_model, forest_flops, ideal_speedup
 from harts.bench.memory import measure_peak, tensor_peak_bytes
 from harts.bench.report import markdown, write_outputs
 from harts.bench.run import parse_args, run, run_case
 from harts.data.synthetic import scaled
 from harts.plan.linear import plan_linear
+from harts.runtime.flops import flop_model, forest_flops, ideal_speedup
 from harts.tiny import tiny_model
 
 ROW_FIELDS = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import harts
-from harts.bench.flops import flop_model, forest_flops
+from harts.runtime.flops import flop_model, forest_flops
 from harts.tiny import tiny_model
 from harts.trainer.throughput import PEAK_FLOPS, Throughput, loss_tokens
 

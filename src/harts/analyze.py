@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harts.bench.flops import flop_model, forest_flops
 from harts.data.rollout_files import read_rollouts
 from harts.forest import Forest, build_forest
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches
+from harts.runtime.flops import flop_model, forest_flops
 from harts.tiny import ALL_FAMILIES, FAMILIES, tiny_config
 
 __all__ = ["forest_stats", "plan_stats", "forest_svg", "main"]

@@ -39,9 +39,9 @@ import torch
 
 import harts
 from harts.bench.cases import flat_budget_variants, flat_run
-from harts.bench.flops import flop_model, ideal_speedup
 from harts.bench.memory import tensor_peak_bytes
 from harts.data.synthetic import agentic
+from harts.runtime.flops import flop_model, ideal_speedup
 from harts.tiny import tiny_model
 
 DEMO_MODEL = dict(

@@ -2,7 +2,7 @@
 
 - :mod:`harts.bench.cases`: the config, models, shapes and steps a run times;
 - :mod:`harts.bench.run`: timing, the command line (``harts bench``);
-- :mod:`harts.bench.flops`: the FLOP model behind the ideal speedup;
+- the FLOP model behind the ideal speedup is :mod:`harts.runtime.flops` (the trainer reads it too);
 - :mod:`harts.bench.memory`: tensor and resident-set peaks in child processes;
 - :mod:`harts.bench.peers`: PrefixGrouper and flash-pref on their one-prefix shape;
 - :mod:`harts.bench.report`: Markdown, JSON and the plot;

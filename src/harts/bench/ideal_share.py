@@ -6,7 +6,7 @@ For each shape, one SFT step (:data:`harts.bench.cases.STEPS` ``forest_step``) o
 flat variant is named by the budget it ran at: raised to the longest trajectory where needed). The
 variants are interleaved, ``--repeats`` times after a warm-up, and for each B the table reports
 the tree's median against the fastest of the three flat medians (flat at its best budget), the
-FLOP-ideal speedup (:func:`harts.bench.flops.ideal_speedup`) and the share of it reached. Flat
+FLOP-ideal speedup (:func:`harts.runtime.flops.ideal_speedup`) and the share of it reached. Flat
 budgets that give the same micro-batches run once.
 
 The shapes (``harts.data.synthetic``, lengths in tokens):
@@ -42,8 +42,8 @@ import torch
 
 import harts
 from harts.bench.cases import STEPS, BenchConfig, effective_flat_budget, make_model
-from harts.bench.flops import flop_model, ideal_speedup
 from harts.data import synthetic
+from harts.runtime.flops import flop_model, ideal_speedup
 
 __all__ = ["SHAPES", "measure", "main"]
 

@@ -115,13 +115,13 @@ def set_up(spec: str, a: argparse.Namespace, shard: bool = True) -> dict:
     critic's AdamW states built; ``shard=False``: the three whole, without optimizers."""
     import torch
 
-    from harts.trainer.critic import _fresh_head
+    from harts.trainer.critic import fresh_head
     from harts.trainer.processes import fsdp_shard
 
     wrap = fsdp_shard if shard else (lambda m: m)
     policy = wrap(build_policy(spec, a).train())
     reference = wrap(build_policy(spec, a).eval().requires_grad_(False))
-    critic = wrap(_fresh_head(build_policy(spec, a), torch.float32, 1).train())
+    critic = wrap(fresh_head(build_policy(spec, a), torch.float32, 1).train())
     if not shard:
         return dict(policy=policy, reference=reference, critic=critic)
     return dict(policy=policy, reference=reference, critic=critic, policy_optim=_adamw(policy),

@@ -1,7 +1,7 @@
 """``harts bench``: tree vs flat vs stock per-trajectory training on rollout-forest shapes.
 
 For each model family (small random configs) and each shape (star, agentic, paper_like, deep,
-random) it reports: the redundancy R; the FLOP-ideal speedup (:mod:`harts.bench.flops`); the
+random) it reports: the redundancy R; the FLOP-ideal speedup (:mod:`harts.runtime.flops`); the
 achieved speedup of the tree layout over the flat layout at its best budget (packed whole
 trajectories through the same kernels, timed at the tree's budget, without one and at
 ``--flat-budgets``, :mod:`harts.bench.cases`); the speedup over stock Hugging
@@ -41,10 +41,10 @@ from harts.bench.cases import (
     is_flat_variant,
     variant_fns,
 )
-from harts.bench.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
 from harts.ops.backends import available_backends, resolve_backend
 from harts.plan.linear_cost import PlanMode
 from harts.runtime.config import RunConfig
+from harts.runtime.flops import FLOP_MODEL_TEXT, flop_model, forest_flops
 from harts.tiny import FAMILIES
 
 __all__ = ["run", "run_case", "main"]

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from harts.bench.cases import SFT, SUM, BenchConfig, build_case
+from harts.bench.cases import DEFAULT_FAMILIES, SFT, SUM, BenchConfig, build_case
 from harts.runtime.config import RunConfig
 from harts.runtime.verify import sample_trajectories
 from harts.steps import forest_step
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         prog="python -m harts.bench.verify_cost", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--families", nargs="+", default=["bailing_hybrid", "qwen3_next", "qwen3"])
+    parser.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES))
     parser.add_argument("--shapes", nargs="+", default=["star", "agentic", "paper_like", "deep"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=1024)

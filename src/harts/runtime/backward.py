@@ -642,12 +642,13 @@ def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperatur
     """``run.verify``'s check of a training call (:func:`harts.runtime.verify.verify_sample`): harts'
     pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
 
-    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss) -> Tensor:
-        return forest_backward(model, sub, predictor, target, loss, run=run.unverified,
+    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
+        return forest_backward(model, sub, predictor, target, loss, run=sample_run,
                                temperature=temperature, readout=readout).logprob  # fmt: skip
 
-    return verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
-                         gradients=True, separable=separable, what=what)  # fmt: skip
+    return verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout,
+                         temperature=temperature, gradients=True, separable=separable,
+                         what=what)  # fmt: skip
 
 
 def forest_backward(

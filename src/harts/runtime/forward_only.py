@@ -186,11 +186,11 @@ def _verify(wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig
     if dp is not None and dp.kind == "fsdp":
         raise ValueError(FSDP_VERIFY)
 
-    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss) -> Tensor:
-        return forest_row_readout(wrapped, sub, predictor, target, readout, run=run.unverified,
+    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
+        return forest_row_readout(wrapped, sub, predictor, target, readout, run=sample_run,
                                   temperature=temperature).logprob  # fmt: skip
 
-    verify_sample(model, forest, harts_rows=harts_rows, readout=readout, temperature=temperature,
+    verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout, temperature=temperature,
                   gradients=False, what="a forward-only pass")  # fmt: skip
 
 

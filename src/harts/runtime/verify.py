@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ import torch
 from torch import nn
 
 from harts.forest import Forest, build_forest
+from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
 
 __all__ = ["VerificationError", "Verification", "sample_trajectories", "verify_sample",
@@ -63,6 +65,8 @@ LOGPROB_ATOL = 2e-4  # fp32: a log-prob is a logit minus a log-sum-exp, each wit
 GRAD_RTOL = 1e-4  # fp32 gradient relative error (the exactness bound)
 LOW_PRECISION_FACTOR = 2.0  # bf16 / fp16: harts' distance to the truth at most this times stock's
 SAMPLE_SIZE = 2  # the fewest that share a prefix: the check's cost is their stock passes
+MAX_PREFIX = 512  # the branch sampled shares at most this many tokens, when the forest has such a branch
+TAIL = 64  # tokens kept of each sampled trajectory past its branch
 _SEED = 20260
 
 
@@ -88,19 +92,37 @@ class Verification:
 
 
 def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
-    """The ``limit`` shortest trajectories through the node, shared by several, whose end is
-    deepest (in the call's order)."""
-    shared = np.flatnonzero(forest.node_multiplicity.numpy() >= 2)
-    if shared.size == 0:
-        return [0]
-    ends = forest.node_path_start.numpy()[shared] + forest.node_length.numpy()[shared]
-    node = int(shared[np.argmax(ends)])
+    """The sample's trajectories (in the call's order): at the branch node (a node several
+    trajectories share, where they part) whose end is deepest within ``MAX_PREFIX`` tokens (else
+    the shallowest), the shortest trajectory of each of the ``limit`` groups that part there (a
+    child's subtree, or those ending at the node) with the shortest members. A forest without a
+    branch gives its first trajectory."""
+    return [i for i, _ in _sample(forest, limit)]
+
+
+def _sample(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, int]]:
+    """(trajectory, tokens kept) of the sample: each truncated ``TAIL`` tokens past the branch."""
+    parent = forest.node_parent.numpy()
     end_node = forest.trajectory_end_node.numpy()
-    through = np.flatnonzero((end_node >= node) & (end_node < int(forest.node_subtree_end[node])))
-    # trajectories ending in the node's subtree pass through it (every path runs root-first)
-    lengths = forest.trajectory_length.numpy()[through]
-    shortest = through[np.argsort(lengths, kind="stable")[:limit]]
-    return sorted(int(i) for i in shortest)
+    subtree_end = forest.node_subtree_end.numpy()
+    lengths = forest.trajectory_length.numpy()
+    children: dict[int, list[int]] = {}
+    for node, p in enumerate(parent.tolist()):
+        if p >= 0:
+            children.setdefault(p, []).append(node)
+    ends_here = np.bincount(end_node, minlength=forest.num_nodes)
+    branch = [m for m in range(forest.num_nodes)
+              if len(children.get(m, ())) + (ends_here[m] > 0) >= 2]  # fmt: skip
+    if not branch:
+        return [(0, int(lengths[0]))]
+    path_end = forest.node_path_start.numpy() + forest.node_length.numpy()
+    within = [m for m in branch if path_end[m] <= MAX_PREFIX]
+    node = max(within, key=lambda m: path_end[m]) if within else min(branch, key=lambda m: path_end[m])
+    groups = [np.flatnonzero(end_node == node)] if ends_here[node] else []
+    groups += [np.flatnonzero((end_node >= c) & (end_node < subtree_end[c])) for c in children.get(node, ())]
+    shortest = sorted((int(g[np.argmin(lengths[g])]) for g in groups if g.size), key=lambda i: lengths[i])
+    keep = int(path_end[node]) + TAIL
+    return sorted((i, min(int(lengths[i]), keep)) for i in shortest[:limit])
 
 
 class _RowLoss:
@@ -225,7 +247,8 @@ def verify_sample(
     model: nn.Module,
     forest: Forest,
     *,
-    harts_rows: Callable[[Forest, Tensor, Tensor, _RowLoss | None], Tensor],
+    run: RunConfig,
+    harts_rows: Callable[[Forest, Tensor, Tensor, _RowLoss | None, RunConfig], Tensor],
     readout=None,
     temperature: float = 1.0,
     gradients: bool = True,
@@ -235,14 +258,17 @@ def verify_sample(
     """Check ``model`` (the module harts runs, whose ``forward`` is stock) on a sample of
     ``forest`` (module docstring); raise :class:`VerificationError` when harts is off.
 
-    ``harts_rows(sub_forest, predictor, target, loss)``: harts' row values on the sample's forest
-    under the call's settings, unverified; with ``loss`` (``gradients``), a training pass that
-    accumulates that loss's gradients into ``.grad``. ``separable``: the call's loss is a sum of
+    ``harts_rows(sub_forest, predictor, target, loss, run)``: harts' row values on the sample's
+    forest under ``run`` (the call's settings, unverified, with the sample's budget: the call's,
+    and at most half the sample's tokens when the call has one, so that a cut and a hand-over
+    run); with ``loss`` (``gradients``), a training pass that accumulates that loss's gradients
+    into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs)."""
     began = time.perf_counter()
     values = isinstance(readout, ScalarReadout)
-    chosen = sample_trajectories(forest)
-    trajectories = [forest.trajectory(i) for i in chosen]
+    sample = _sample(forest)
+    chosen = [i for i, _ in sample]
+    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
     sub = build_forest([t.tolist() for t in trajectories])
     predictor, target, _ = _rows(sub)
     label, truth_dtype, autocast = _precision(model)
@@ -257,7 +283,11 @@ def verify_sample(
     params = [p for _, p in named]
     held = _take(params)
     try:
-        harts_values = harts_rows(sub, predictor, target, loss).detach().double().cpu()
+        budget = run.budget_tokens
+        if budget is not None:
+            budget = max(1, min(budget, sub.num_tokens // 2))
+        sample_run = dataclasses.replace(run.unverified, budget_tokens=budget)
+        harts_values = harts_rows(sub, predictor, target, loss, sample_run).detach().double().cpu()
         harts_grads = None
         if gradients:
             harts_grads = {n: (p.grad.detach().double().cpu() if p.grad is not None else torch.zeros(p.shape,

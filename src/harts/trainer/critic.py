@@ -67,7 +67,8 @@ from harts.trainer.rank_passes import over_ranks, rank_share
 from harts.trainer.run import TrainingDiverged, clip_gradients, collective
 from harts.trainer.sections import CriticSection
 
-__all__ = ["Critic", "load_critic", "save_critic", "with_gae", "CRITIC_DIR", "VALUE_HEAD_ARCHITECTURE"]
+__all__ = ["Critic", "load_critic", "save_critic", "fresh_head", "with_gae", "CRITIC_DIR",
+           "VALUE_HEAD_ARCHITECTURE"]  # fmt: skip
 
 #: a checkpoint's critic directory
 CRITIC_DIR = "critic"
@@ -109,7 +110,7 @@ def _extra(dtype: torch.dtype) -> dict:
     return {"experts_implementation": "eager"} if dtype == torch.float64 else {}
 
 
-def _fresh_head(lm: nn.Module, dtype: torch.dtype, seed: int) -> nn.Module:
+def fresh_head(lm: nn.Module, dtype: torch.dtype, seed: int) -> nn.Module:
     """``lm``'s backbone under a fresh scalar head: the family's token classifier, else a ValueHead."""
     from transformers import AutoModelForTokenClassification
 
@@ -131,7 +132,7 @@ def _from_causal_lm(path: Path, config, dtype: torch.dtype, seed: int) -> nn.Mod
             path, config=_as_critic_config(config), dtype=dtype, local_files_only=True, **_extra(dtype)
         )
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **_extra(dtype))
-    return _fresh_head(lm, dtype, seed)
+    return fresh_head(lm, dtype, seed)
 
 
 def _from_directory(path: Path, dtype: torch.dtype, seed: int) -> nn.Module:
@@ -178,7 +179,7 @@ def load_critic(section: CriticSection, policy: ModelConfig, seed: int, checkpoi
             critic = _from_directory(policy.path, dtype, head_seed)
         elif section.from_policy:
             base = dataclasses.replace(policy, dtype=name, device="cpu", gradient_checkpointing=False)
-            critic = _fresh_head(load_model(base, seed), dtype, head_seed)
+            critic = fresh_head(load_model(base, seed), dtype, head_seed)
         else:
             critic = _from_directory(Path(section.model), dtype, head_seed)
     critic.to(section.device or policy.device)

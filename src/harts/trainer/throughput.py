@@ -10,7 +10,7 @@ way. Every metrics record of ``harts train`` and ``harts rl`` holds three counts
   token, which nothing predicts): the training signal;
 
 and ``redundancy`` (flat / unique). ``model_flops_per_s`` is the FLOP model of
-:mod:`harts.bench.flops` (dense weights per token, linear-attention state updates per token,
+:mod:`harts.runtime.flops` (dense weights per token, linear-attention state updates per token,
 attention per attended key; forward + backward = 3 x forward) over the tokens harts executed, per
 second of the step on all ranks together; ``flat_flops_per_s`` the same over the flat layout's
 work (what the same step does for the trainer per second). On a CUDA device whose peak is in
@@ -68,8 +68,8 @@ class Throughput:
     """The FLOP model of ``model`` (read once, before sharding) and its device's peak."""
 
     def __init__(self, model: nn.Module, world_size: int = 1):
-        from harts.bench.flops import flop_model
         from harts.runtime.executor import resolve_model
+        from harts.runtime.flops import flop_model
 
         try:
             self.flops = flop_model(resolve_model(model))

@@ -163,7 +163,7 @@ def flop_model(model: nn.Module) -> FlopModel:
             n_full += 1
         else:
             raise ValueError(f"the FLOP model has no term for layer type {layer_type!r} "
-                             f"({model.config.model_type}); add one in harts.bench.flops")
+                             f"({model.config.model_type}); add one in harts.runtime.flops")
     return FlopModel(dense, state, attn, n_full, n_linear)
 
 
