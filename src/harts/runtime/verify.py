@@ -10,12 +10,12 @@ model held, the random state), so the call then computes exactly what it compute
 
 The check:
 
-1. **The sample** (:func:`sample_trajectories`): the two shortest trajectories through the
-   deepest node that several trajectories share (the branches with the longest common prefix),
-   so the sample's forest has a shared prefix and its parts hand over at a branch; a forest
-   without sharing gives its first trajectory.
-2. **harts on the sample's own forest** under the call's budget, kernels and plan (cuts and
-   hand-overs exercised as the call exercises them): the row values at every position of each
+1. **The sample** (:func:`sample_trajectories`): two trajectories that part at a branch whose
+   shared prefix is longest within ``MAX_PREFIX`` tokens, each kept ``TAIL`` tokens past it, so
+   the sample's forest has a shared prefix and a branch and its cost does not grow with the
+   trajectories' length; a forest without a branch gives its first trajectory.
+2. **harts on the sample's own forest** under the call's kernels and plan, and its budget capped
+   at half the sample's tokens when the call has one (a cut and a hand-over always run): the row values at every position of each
    sampled trajectory (its log-probs, or a critic's values) and, for a training call, the
    gradients of a fixed random per-row loss ``sum_r a_r * value_r + b_r * entropy_r`` whose form
    (a sum of per-row terms, or not) follows the call's loss, so the same path runs.
