@@ -41,13 +41,20 @@ def tree_short_conv(
     kernel = weight.shape[-1]
     if predecessors.dim() != 2 or predecessors.shape[1] != kernel:
         raise ValueError(f"predecessors must be [N, K={kernel}], got {tuple(predecessors.shape)}")
-    low = autocast_dtype(x.device, x, weight)
+    low = autocast_dtype(x.device, x, weight) or _half(weight.dtype)
     if low is not None:
         return _ACTIVATIONS[activation](_autocast_conv(x, weight, predecessors, bias, low))
     out = _taps(x.to(weight.dtype), weight, predecessors)
     if bias is not None:
         out = out + bias
     return _ACTIVATIONS[activation](out)
+
+
+def _half(dtype: torch.dtype) -> torch.dtype | None:
+    """A 16-bit weight's dtype (None for fp32 and fp64): ``conv1d`` with bf16 or fp16 weights sums
+    in fp32 and rounds once, as under autocast, where per-tap sums in the weight's dtype would round
+    K times, forward and backward."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _taps(x: torch.Tensor, weight: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
@@ -62,8 +69,9 @@ def _taps(x: torch.Tensor, weight: torch.Tensor, predecessors: torch.Tensor) -> 
 
 
 def _autocast_conv(x, weight, predecessors, bias, low: torch.dtype) -> torch.Tensor:
-    """The convolution as ``conv1d`` under autocast computes it: input, weight and bias rounded to
-    ``low``, products summed in fp32, the sum (bias included) rounded once to ``low``."""
+    """The convolution as ``conv1d`` under autocast (or with ``low`` weights) computes it: input,
+    weight and bias rounded to ``low``, products summed in fp32, the sum (bias included) rounded once
+    to ``low``; the backward's sums in fp32 too, each gradient rounded once."""
     with no_autocast(x.device):
         out = _taps(x.to(low).float(), weight.to(low).float(), predecessors)
         if bias is not None:
