@@ -147,7 +147,9 @@ def kda_mixer(attn, x, ctx: TreeOps, output_gate) -> torch.Tensor:
     g = attn.forget_gate(x)[0].to(f)  # [N, H, K]
     beta = torch.sigmoid(attn.b_proj(x))[0].to(f)  # [N, H]
     out = ctx.recurrence(DELTA_RULE, _l2norm(query.to(f)), _l2norm(key.to(f)), value.to(f), g, beta)
-    out = out.to(x.dtype)
+    # In the dtype the stock fallback returns, its query's (the conv's output): under autocast the
+    # low one, where x is fp32, so the gated norm gets the output rounded as in the stock forward.
+    out = out.to(query.dtype)
     gate = output_gate(attn, x).view(1, n, heads, head_dim)
     out = attn.o_norm(out[None], gate).reshape(1, n, -1)
     return attn.o_proj(out)
@@ -173,7 +175,7 @@ def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) ->
     mixed, z, b, a = projections(attn, x)
     mixed = _conv(attn, mixed, ctx)
     query, key, value = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
-    f = _state_dtype(x)
+    f, out_dtype = _state_dtype(x), query.dtype  # the stock fallback's output dtype (see kda_mixer)
     query = query.reshape(n, -1, attn.head_k_dim).to(f)
     key = key.reshape(n, -1, attn.head_k_dim).to(f)
     value = value.reshape(n, -1, attn.head_v_dim).to(f)
@@ -183,7 +185,7 @@ def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) ->
     if groups > 1:  # each key head serves `groups` consecutive value heads
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
-    out = ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(x.dtype)
+    out = ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(out_dtype)
     out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
     return attn.out_proj(out.reshape(1, n, -1))
 
