@@ -69,12 +69,12 @@ def every_expert(family: str) -> dict:
 
 
 @functools.cache
-def model_of(family: str, dtype: torch.dtype = torch.float32):
+def model_of(family: str, dtype: torch.dtype = torch.float32, seed: int = 7):
     """The family's tiny CPU model (every expert chosen), its parameters in ``dtype`` (otherwise
     than fp32: the fp32 model's weights rounded, every parameter, as a pure low-precision model)."""
     if dtype == torch.float32:
-        return tiny_model(family, seed=7, **every_expert(family))
-    return copy.deepcopy(model_of(family)).to(dtype)
+        return tiny_model(family, seed=seed, **every_expert(family))
+    return copy.deepcopy(model_of(family, seed=seed)).to(dtype)
 
 
 def sft_rows(logits: torch.Tensor, trajectory) -> torch.Tensor:
@@ -85,10 +85,10 @@ def sft_rows(logits: torch.Tensor, trajectory) -> torch.Tensor:
 
 
 @functools.cache
-def truth(family: str, dtype: torch.dtype = torch.float32):
-    """fp64 logits, next-token log-probs and SFT-sum gradients of ``model_of(family, dtype)``'s
+def truth(family: str, dtype: torch.dtype = torch.float32, seed: int = 7):
+    """fp64 logits, next-token log-probs and SFT-sum gradients of ``model_of(family, dtype, seed)``'s
     weights, one stock forward per trajectory."""
-    model64 = fp64_copy(model_of(family, dtype))
+    model64 = fp64_copy(model_of(family, dtype, seed))
     model64.zero_grad(set_to_none=True)
     logits, logprobs = [], []
     with exact_linear_kernels(model64):
@@ -180,3 +180,24 @@ def summary(errs: dict) -> dict:
         "logit_cosine_min": min(math.cos(a) for a in errs["angle"]),
         "grad_relative_error": errs["grad"],
     }
+
+
+#: the set-ups of a low-precision run: (parameter dtype, autocast dtype or None)
+SETUPS = {"bf16-autocast": (torch.float32, torch.bfloat16), "bf16-params": (torch.bfloat16, None)}
+#: the tiny models (seeds) over which :func:`summed_errors` adds each error
+SEEDS = (7, 1, 2, 3, 4, 5, 6, 8)
+
+
+def summed_errors(family: str, setup: str, seeds=SEEDS) -> tuple[dict, dict]:
+    """Stock's and harts' errors in ``setup`` (:data:`SETUPS`), each summed over the family's tiny
+    models of ``seeds``: {"logprob": sum of each model's worst log-prob error, "grad": sum of each
+    model's whole-gradient relative error} for stock, then for harts (test_autocast's ratio test)."""
+    params, autocast = SETUPS[setup]
+    theirs, mine = {"logprob": 0.0, "grad": 0.0}, {"logprob": 0.0, "grad": 0.0}
+    for seed in seeds:
+        model, exact = model_of(family, params, seed), truth(family, params, seed)
+        for total, run in ((theirs, stock), (mine, tree)):
+            errs = errors(run(model, autocast), exact)
+            total["logprob"] += max(errs["logprob"])
+            total["grad"] += errs["grad"]
+    return theirs, mine
