@@ -15,10 +15,11 @@ The check:
    the sample's forest has a shared prefix and a branch and its cost does not grow with the
    trajectories' length; a forest without a branch gives its first trajectory.
 2. **harts on the sample's own forest** under the call's kernels and plan, and its budget capped
-   at half the sample's tokens when the call has one (a cut and a hand-over always run): the row values at every position of each
-   sampled trajectory (its log-probs, or a critic's values) and, for a training call, the
-   gradients of a fixed random per-row loss ``sum_r a_r * value_r + b_r * entropy_r`` whose form
-   (a sum of per-row terms, or not) follows the call's loss, so the same path runs.
+   at half the sample's tokens when the call has one (a cut and a hand-over always run): the
+   row values at every position of each sampled trajectory (its log-probs, or a critic's
+   values) and, for a training call, the gradients of a fixed random per-row loss
+   ``sum_r a_r * value_r + b_r * entropy_r`` whose form (a sum of per-row terms, or not) follows
+   the call's loss, so the same path runs.
 3. **Stock**: ``model(input_ids=trajectory)`` for each sampled trajectory alone, the same loss on
    its rows, the gradients summed over the trajectories; and the same on **the truth**, a copy of
    the model one precision up: fp64 for an fp32 model, fp32 for a bf16 / fp16 model or under
@@ -56,7 +57,7 @@ from harts.forest import Forest, build_forest
 from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
 
-__all__ = ["VerificationError", "Verification", "sample_trajectories", "verify_sample",
+__all__ = ["VerificationError", "Verification", "sample_trajectories", "sample_spans", "verify_sample",
            "LOW_PRECISION_FACTOR"]  # fmt: skip
 
 Tensor = torch.Tensor
@@ -65,8 +66,8 @@ LOGPROB_ATOL = 2e-4  # fp32: a log-prob is a logit minus a log-sum-exp, each wit
 GRAD_RTOL = 1e-4  # fp32 gradient relative error (the exactness bound)
 LOW_PRECISION_FACTOR = 2.0  # bf16 / fp16: harts' distance to the truth at most this times stock's
 SAMPLE_SIZE = 2  # the fewest that share a prefix: the check's cost is their stock passes
-MAX_PREFIX = 512  # the branch sampled shares at most this many tokens, when the forest has such a branch
-TAIL = 64  # tokens kept of each sampled trajectory past its branch
+MAX_PREFIX = 256  # the branch sampled shares at most this many tokens, when the forest has such a branch
+TAIL = 32  # tokens kept of each sampled trajectory past its branch
 _SEED = 20260
 
 
@@ -97,11 +98,12 @@ def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
     the shallowest), the shortest trajectory of each of the ``limit`` groups that part there (a
     child's subtree, or those ending at the node) with the shortest members. A forest without a
     branch gives its first trajectory."""
-    return [i for i, _ in _sample(forest, limit)]
+    return [i for i, _ in sample_spans(forest, limit)]
 
 
-def _sample(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, int]]:
-    """(trajectory, tokens kept) of the sample: each truncated ``TAIL`` tokens past the branch."""
+def sample_spans(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, int]]:
+    """(trajectory, tokens kept) of the sample (:func:`sample_trajectories`): each truncated
+    ``TAIL`` tokens past the branch."""
     parent = forest.node_parent.numpy()
     end_node = forest.trajectory_end_node.numpy()
     subtree_end = forest.node_subtree_end.numpy()
@@ -266,7 +268,7 @@ def verify_sample(
     per-row terms (the sample's loss takes the same form, so the same path runs)."""
     began = time.perf_counter()
     values = isinstance(readout, ScalarReadout)
-    sample = _sample(forest)
+    sample = sample_spans(forest)
     chosen = [i for i, _ in sample]
     trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
     sub = build_forest([t.tolist() for t in trajectories])
