@@ -1,6 +1,8 @@
 """``[logging] backends``: a short run writes real TensorBoard event files and a real offline wandb
 run holding the step records of ``metrics.jsonl``; a backend whose package is missing is refused
-before the model loads, naming the extra that installs it.
+before the model loads, naming the extra that installs it. A record holds the figures of its
+update's rollouts (rewards, constant-reward groups, advantages, response lengths), and the
+progress line shows them.
 
 The packages come with the ``logging`` extra (``make test`` installs it); without them the
 file-writing tests skip, saying so.
@@ -76,3 +78,39 @@ def test_jsonl_cannot_be_left_out(tmp_path, capsys):
     config = write_config(tmp_path / "run.toml", logging={"backends": ["tensorboard"]})
     assert run_train(config, tmp_path / "out") == 2
     assert "keep \"jsonl\" in the list" in capsys.readouterr().err
+
+
+def test_a_record_holds_the_reward_advantage_and_response_figures_of_its_rollouts(tmp_path, capsys):
+    """One Dr. GRPO step on the example rollouts: its record's figures recomputed by hand from the
+    step's rollouts (advantage r - group mean on every loss-bearing token)."""
+    import numpy as np
+
+    from harts import iter_rollout_steps
+    from tests.helpers import EXAMPLE_ROLLOUTS
+
+    config = write_config(tmp_path / "run.toml", top={"steps": 1},
+                          objective={"kind": "ppo", "advantage": "dr_grpo"})  # fmt: skip
+    assert run_train(config, tmp_path / "out") == 0
+    (record,) = _metrics(tmp_path / "out")
+    rollouts = next(iter(iter_rollout_steps(EXAMPLE_ROLLOUTS, 8)))
+    assert record["rollouts"] == len(rollouts)
+    rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
+    assert record["reward_mean"] == pytest.approx(rewards.mean())
+    assert record["reward_std"] == pytest.approx(rewards.std())
+    assert (record["reward_min"], record["reward_max"]) == (rewards.min(), rewards.max())
+    groups = {}
+    for r in rollouts:
+        groups.setdefault(r.group_id, []).append(r.reward)
+    assert record["groups_same_reward"] == pytest.approx(
+        sum(len(set(g)) == 1 for g in groups.values()) / len(groups))  # fmt: skip
+    lengths = np.array([np.asarray(r.loss_mask, dtype=bool)[1:].sum() for r in rollouts])
+    assert record["response_tokens_mean"] == pytest.approx(lengths.mean())
+    assert record["response_tokens_max"] == lengths.max()
+    means = {g: np.mean(v) for g, v in groups.items()}
+    per_token = np.repeat([r.reward - means[r.group_id] for r in rollouts], lengths)
+    assert record["advantage_mean"] == pytest.approx(per_token.mean(), abs=1e-6)
+    assert record["advantage_std"] == pytest.approx(per_token.std(), rel=1e-5)
+    assert record["advantage_std"] > 0  # the step's rollouts hold a group with a signal
+    err = capsys.readouterr().err
+    assert f"| reward {record['reward_mean']:.3g} |" in err
+    assert f"| resp {record['response_tokens_mean']:,.0f} tok |" in err

@@ -81,6 +81,7 @@ from harts.trainer.processes import (
     wrap_model,
 )
 from harts.trainer.progress import MetricsLog
+from harts.trainer.rollout_stats import advantage_stats, rollout_stats
 from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
 from harts.trainer.throughput import Throughput
@@ -109,7 +110,10 @@ def train_step(
 
     ``verify``: before the step, each rank checks its own trees against the stock forward
     (:func:`harts.steps.policy.verify_step`); the ranks agree on the verdict, and a failure on
-    any rank raises VerificationError on every rank before any gradient is computed."""
+    any rank raises VerificationError on every rank before any gradient is computed.
+
+    When the loss reads advantages, ``result.metrics`` gains ``advantage_mean`` and
+    ``advantage_std`` over the whole step's loss rows (the same on every rank)."""
     error, prepared = None, None
     try:
         prepared = _prepare(model, rollouts, objective, loss, ranks)
@@ -125,6 +129,9 @@ def train_step(
     normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
     result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
                         moe=moe)  # fmt: skip
+    if loss.policy_loss.needs_advantages and rows.has_advantage:  # the whole step's: alike on every rank
+        figures = advantage_stats(rows.advantage)
+        result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
     return result, forest, report
 
 
@@ -165,7 +172,7 @@ def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm
     record = {"step": step, "epoch": epoch, **update_metrics(result, grad_norm, lrs)}
     record.update(rollouts=len(rollouts), micro_batches=result.num_micro_batches,
                   recomputed_parts=len(result.recomputed_parts), seconds=seconds,
-                  **throughput.record(forest, rollouts, seconds))  # fmt: skip
+                  **throughput.record(forest, rollouts, seconds), **rollout_stats(rollouts))  # fmt: skip
     return record
 
 

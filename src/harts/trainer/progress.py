@@ -62,7 +62,8 @@ def _duration(seconds: float) -> str:
 def progress_line(record: dict, total: int, eta_seconds: float) -> str:
     """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat, 9,800 loss)
     | shared 6.84x | 0.021 TFLOP/s (MFU 31.2% on a known CUDA device) | ...``
-    (with a critic, its value loss and explained variance after ``gnorm``)."""
+    (with a critic, its value loss and explained variance after ``gnorm``; with rewards their mean,
+    ``reward 0.53``, and the mean response length, ``resp 143 tok``, after those)."""
     parts = [
         f"step {record['step']}/{total}",
         f"epoch {record['epoch']}",
@@ -72,6 +73,8 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
         f"gnorm {record['grad_norm']:.3g}",
         *([f"vloss {record['value_loss']:.4f}", f"ev {record['explained_variance']:.3f}"]
           if "value_loss" in record else []),  # fmt: skip
+        *([f"reward {record['reward_mean']:.3g}"] if "reward_mean" in record else []),
+        *([f"resp {record['response_tokens_mean']:,.0f} tok"] if "response_tokens_mean" in record else []),
         f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat"
         + (f", {record['loss_tokens_per_s']:,.0f} loss)" if "loss_tokens_per_s" in record else ")"),
         f"shared {record['redundancy']:.2f}x",
@@ -88,7 +91,8 @@ def _flops(record: dict) -> str:
 
 
 PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "value_loss",
-           "explained_variance", "redundancy", "unique_tokens_per_s")  # fmt: skip
+           "explained_variance", "reward_mean", "response_tokens_mean", "redundancy",
+           "unique_tokens_per_s")  # fmt: skip
 
 
 def write_plot(metrics: Path, out: Path, keys: tuple[str, ...] = PLOTTED, markers: bool = True) -> str:
