@@ -12,6 +12,7 @@ from harts.adapters import supported_families
 from harts.adapters.value_head import ValueHead
 from harts.batch_positions import BatchLayout
 from harts.data.rollout_files import iter_rollout_steps, read_rollouts
+from harts.data.turns import turn_from_sglang, turn_from_vllm, turns_from_chat
 from harts.forest import Forest, build_forest
 from harts.objectives import (
     ADVANTAGE_ESTIMATORS,
@@ -58,6 +59,7 @@ from harts.steps import forest_step, moe_stats, rollout_step, value_step
 __all__ = [
     # forests and plans
     "Forest", "build_forest", "BatchLayout", "rollouts_from_batch", "read_rollouts", "iter_rollout_steps",
+    "turn_from_vllm", "turn_from_sglang", "turns_from_chat",
     "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model
     "RunConfig", "PlanMode", "LinearCostModel", "forward", "TreeOutput", "supported_families",

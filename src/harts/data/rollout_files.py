@@ -10,6 +10,12 @@ Two forms (docs/rollout_files.md has every field and an example of each):
   is tokenised with the chat template of the ``tokenizer`` the reader is given (a local directory
   or a loaded tokenizer), and the loss mask is true exactly on the assistant turns' tokens.
 
+- **turns form**: one record per engine request, as an agent stack logs it: ``trajectory_id``,
+  ``turn``, ``prompt_token_ids`` (the whole context), ``completion_token_ids``, optional
+  ``completion_logprobs``, ``group_id`` and, on one turn, ``reward``; a group's records are
+  gathered and each trajectory stitched exactly (:mod:`harts.data.turns`), split into pieces where
+  its context drifted (or refused, with ``split_drift=False``).
+
 A file holds one form: its first line or row sets it, and a line of the other form is refused.
 Any other field is free metadata, kept beside the rollout, unless its name is a near miss of one
 of the form's fields (``lossmask``, ``advantage``, ``Loss-Mask``: :func:`difflib.get_close_matches`
@@ -34,17 +40,19 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harts.data.chat import load_tokenizer, resembles, tokenize_chat
+from harts.data.turns import TURNS_FIELDS, TURNS_MARKERS, ContextDriftWarning, check_turn, stitch_trajectory
 from harts.objectives.rollout import Rollout, validate_rollouts
 
 __all__ = [
     "FileRollout", "iter_rollouts", "read_rollouts", "iter_rollout_steps", "iter_file_steps",
-    "ROLLOUT_FIELDS", "CHAT_FIELDS", "STEP_ANNOTATIONS",
+    "ROLLOUT_FIELDS", "CHAT_FIELDS", "TURNS_FIELDS", "STEP_ANNOTATIONS", "ContextDriftWarning",
 ]  # fmt: skip
 
 ROLLOUT_FIELDS = (
@@ -75,12 +83,18 @@ _FITS = {
     "first_error_position": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "messages": lambda v: isinstance(v, (list, tuple, str)),
     "tools": lambda v: isinstance(v, (list, tuple, str)),
+    "trajectory_id": lambda v: isinstance(v, (str, int)),
+    "turn": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "prompt_token_ids": lambda v: isinstance(v, (list, tuple)),
+    "completion_token_ids": lambda v: isinstance(v, (list, tuple)),
+    "completion_logprobs": lambda v: isinstance(v, (list, tuple)),
 }
+_FORM_FIELDS = {"tokens": ROLLOUT_FIELDS, "chat": CHAT_FIELDS, "turns": TURNS_FIELDS}
 
 
 def _check_names(where: str, record: dict, form: str, cache: dict) -> None:
     """Refuse a field named like one of the form's fields (absent from the line) with a value that fits it."""
-    known = CHAT_FIELDS if form == "chat" else ROLLOUT_FIELDS
+    known = _FORM_FIELDS[form]
     if form == "tokens" and "tokens" not in record:
         known = (*known, "messages")  # a misspelled 'messages' leaves a line without either
     for name, value in record.items():
@@ -102,8 +116,10 @@ def _check_names(where: str, record: dict, form: str, cache: dict) -> None:
 class FileRollout:
     """One rollout read from a file, with where it came from and its free metadata.
 
-    ``form`` is ``"tokens"`` or ``"chat"``; a chat rollout's ``mask_from`` says how its loss mask
-    was derived (``"progressive"`` or ``"generation markers"``, :mod:`harts.data.chat`).
+    ``form`` is ``"tokens"``, ``"chat"`` or ``"turns"``; a chat rollout's ``mask_from`` says how its
+    loss mask was derived (``"progressive"`` or ``"generation markers"``, :mod:`harts.data.chat`). A
+    turns-form trajectory split where its context drifted gives one rollout per piece: ``piece`` is
+    (index, count), ``drift`` where the trajectory was first split.
     """
 
     rollout: Rollout
@@ -111,6 +127,8 @@ class FileRollout:
     metadata: dict[str, Any] = field(default_factory=dict)
     form: str = "tokens"
     mask_from: str | None = None
+    piece: tuple[int, int] = (0, 1)
+    drift: str | None = None
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict]]:
@@ -228,14 +246,77 @@ def _chat_rollout(where: str, record: dict, tokenizer: Any, vocab_size: int | No
     return FileRollout(rollout, where, metadata, form="chat", mask_from=chat.mask_from)
 
 
+def _form(record: dict) -> str:
+    if record.get("messages") is not None:
+        return "chat"
+    if record.get("tokens") is None and any(record.get(name) is not None for name in TURNS_MARKERS):
+        return "turns"
+    return "tokens"
+
+
+class _Turns:
+    """The turns form's records gathered one group at a time (a trajectory's records may come in any
+    order within its group; groups are consecutive), then stitched into trajectories."""
+
+    def __init__(self, vocab_size: int | None, split_drift: bool):
+        self.vocab_size, self.split_drift = vocab_size, split_drift
+        self.key: Any = None
+        self.group: Any = None
+        self.records: dict[Any, list] = {}  # trajectory id -> [(where, record, checked)]
+        self.seen: dict[Any, str] = {}  # every trajectory id of the file so far -> its first line
+        self.groups: set = set()
+
+    def add(self, where: str, record: dict) -> Iterator[FileRollout]:
+        checked = check_turn(where, record, self.vocab_size)
+        trajectory = checked[0]
+        _, group = _reward_and_group(where, record)
+        key = ("group", group) if group is not None else ("trajectory", trajectory)
+        if key != self.key:
+            yield from self.flush()
+            if key in self.groups and key[0] == "group":
+                raise _field_error(
+                    where,
+                    f"trajectory {trajectory!r}, field 'group_id': group {group!r} comes back after other "
+                    f"groups; keep each group's records on consecutive lines",
+                )
+            self.key, self.group = key, group
+            self.groups.add(key)
+        if trajectory in self.seen and trajectory not in self.records:
+            raise _field_error(where, f"trajectory {trajectory!r}, field 'trajectory_id': trajectory "
+                                      f"{trajectory!r} also has records in another group or earlier "
+                                      f"({self.seen[trajectory]}); a trajectory's records stay within their "
+                                      f"group, the group's on consecutive lines")  # fmt: skip
+        self.seen.setdefault(trajectory, where)
+        first = self.records.setdefault(trajectory, [])
+        if first and record.get("group_id") != first[0][1].get("group_id"):
+            raise _field_error(
+                where,
+                f"trajectory {trajectory!r}, field 'group_id': {record.get('group_id')!r}, but "
+                f"{first[0][0]} gives {first[0][1].get('group_id')!r}",
+            )
+        first.append((where, record, checked))
+
+    def flush(self) -> Iterator[FileRollout]:
+        records, self.records = self.records, {}
+        for turns in records.values():
+            for piece in stitch_trajectory(turns, self.group, self.split_drift):
+                _validated(piece.where, piece.rollout, self.vocab_size)
+                yield FileRollout(piece.rollout, piece.where, piece.metadata, form="turns",
+                                  piece=(piece.piece, piece.pieces), drift=piece.drift)  # fmt: skip
+
+
 def iter_rollouts(
-    path: str | Path, tokenizer: Any = None, vocab_size: int | None = None
+    path: str | Path, tokenizer: Any = None, vocab_size: int | None = None, split_drift: bool = True,
+    warn: bool = True,
 ) -> Iterator[FileRollout]:
     """Each rollout of a ``.jsonl`` or ``.parquet`` file, checked as it is read.
 
     ``tokenizer``: a local tokenizer directory (``str`` / ``Path``, loaded once, never downloaded)
     or a loaded tokenizer. The chat form needs it; with it, the token form's ids are also checked
-    against its vocabulary. ``vocab_size`` (a model's): token ids of either form must lie below it too.
+    against its vocabulary. ``vocab_size`` (a model's): token ids of any form must lie below it too.
+    ``split_drift``: in the turns form, split a trajectory where its context drifted (else refuse
+    it); ``warn``: then issue one :class:`ContextDriftWarning` saying how many were split and where
+    the first is, once the file is read.
     """
     path = Path(path)
     if not path.is_file():
@@ -246,14 +327,16 @@ def iter_rollouts(
         vocab_size = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     first: tuple[str, str] | None = None  # (form, where) of the first line: the file's form
     names: dict = {}  # (field name, known names) -> the field it resembles, or None
+    turns = _Turns(vocab_size, split_drift)
+    split: list[str] = []
     for where, record in _records(path):
-        form = "chat" if record.get("messages") is not None else "tokens"
+        form = _form(record)
         if form == "chat" and record.get("tokens") is not None:
             raise _field_error(where, "fields 'tokens' and 'messages': a line has one or the other, not both")
         if first is None:
             first = (form, where)
         elif form != first[0]:
-            name = "messages" if form == "chat" else "tokens"
+            name = {"chat": "messages", "tokens": "tokens", "turns": "prompt_token_ids"}[form]
             raise _field_error(
                 where,
                 f"field {name!r}: this line is in the {form} form but {first[1]} is in the {first[0]} "
@@ -262,18 +345,36 @@ def iter_rollouts(
         _check_names(where, record, form, names)
         if form == "chat":
             yield _chat_rollout(where, record, tokenizer, vocab_size)
+        elif form == "turns":
+            for item in turns.add(where, record):
+                split += [item.drift] if item.piece[0] == 0 and item.piece[1] > 1 else []
+                yield item
         else:
             yield _rollout(where, record, vocab_size)
+    for item in turns.flush():
+        split += [item.drift] if item.piece[0] == 0 and item.piece[1] > 1 else []
+        yield item
+    if split and warn:
+        warnings.warn(ContextDriftWarning(drift_line(path, len(split), split[0])), stacklevel=2)
 
 
-def read_rollouts(path: str | Path, tokenizer: Any = None) -> list[Rollout]:
-    """Every rollout of a file (see the module docstring for the fields; ``tokenizer`` as in
-    :func:`iter_rollouts`)."""
-    return [r.rollout for r in iter_rollouts(path, tokenizer)]
+def drift_line(path: Path, count: int, first: str) -> str:
+    """One line saying how many trajectories were split where their context drifted, and the first."""
+    return (
+        f"{Path(path).name}: {count} trajector{'ies' if count > 1 else 'y'} split where the context "
+        f"drifted (a turn's prompt does not start with the previous turn's prompt and completion), each "
+        f"piece trained as its own sequence; first at {first}"
+    )
+
+
+def read_rollouts(path: str | Path, tokenizer: Any = None, split_drift: bool = True) -> list[Rollout]:
+    """Every rollout of a file (see the module docstring for the fields; ``tokenizer`` and
+    ``split_drift`` as in :func:`iter_rollouts`)."""
+    return [r.rollout for r in iter_rollouts(path, tokenizer, split_drift=split_drift)]
 
 
 def iter_rollout_steps(
-    path: str | Path, rollouts_per_step: int, tokenizer: Any = None
+    path: str | Path, rollouts_per_step: int, tokenizer: Any = None, split_drift: bool = True
 ) -> Iterator[list[Rollout]]:
     """The file as optimizer steps of at least ``rollouts_per_step`` rollouts, groups kept whole.
 
@@ -281,23 +382,25 @@ def iter_rollout_steps(
     last step may hold fewer). A rollout without ``group_id`` is a group of its own. A group
     whose lines are not consecutive is refused, naming the line where it comes back, and so is a
     step whose rollouts carry different annotations (:data:`STEP_ANNOTATIONS`), naming two lines.
-    ``tokenizer`` as in :func:`iter_rollouts`.
+    ``tokenizer`` and ``split_drift`` as in :func:`iter_rollouts`; a piece of a split trajectory counts
+    as one rollout.
     """
-    for step in iter_file_steps(path, rollouts_per_step, tokenizer):
+    for step in iter_file_steps(path, rollouts_per_step, tokenizer, split_drift=split_drift):
         yield [item.rollout for item in step]
 
 
 def iter_file_steps(
-    path: str | Path, rollouts_per_step: int, tokenizer: Any = None, vocab_size: int | None = None
+    path: str | Path, rollouts_per_step: int, tokenizer: Any = None, vocab_size: int | None = None,
+    split_drift: bool = True, warn: bool = True,
 ) -> Iterator[list[FileRollout]]:
     """:func:`iter_rollout_steps` with each rollout's :class:`FileRollout` (where it is, its metadata);
-    ``vocab_size`` as in :func:`iter_rollouts`."""
+    ``vocab_size``, ``split_drift`` and ``warn`` as in :func:`iter_rollouts`."""
     if isinstance(rollouts_per_step, bool) or not isinstance(rollouts_per_step, int) or rollouts_per_step < 1:
         raise ValueError(f"rollouts_per_step must be a positive int, got {rollouts_per_step!r}")
     step: list[FileRollout] = []
     seen: set = set()
     current = object()
-    for item in iter_rollouts(path, tokenizer, vocab_size):
+    for item in iter_rollouts(path, tokenizer, vocab_size, split_drift, warn):
         group = item.rollout.group_id
         new_group = group is None or group != current
         if new_group and group is not None and group in seen:

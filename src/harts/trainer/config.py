@@ -9,7 +9,7 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
 
     seed, steps | epochs, max_grad_norm, threads, out      top-level keys
     [model]      path (local HF directory) | tiny (family), seed, dtype, device, gradient_checkpointing
-    [data]       path (.jsonl / .parquet), rollouts_per_step, tokenizer
+    [data]       path (.jsonl / .parquet), rollouts_per_step, tokenizer, split_drift
     [objective]  the fields of harts.PolicyLossConfig, advantage, advantage_params, max_length
     [run]        the harts.RunConfig fields that make sense in a file
     [optimizer]  kind (adamw | muon), lr, muon_lr, weight_decay, betas, eps, momentum, adjust_lr,
@@ -98,6 +98,8 @@ class DataConfig:
     path: Path
     rollouts_per_step: int
     tokenizer: Path | None = None  # for files of chat messages (harts.data.rollout_files)
+    # turns form: split a trajectory where its context drifted (true) or refuse the file (false)
+    split_drift: bool = True
 
     def __post_init__(self):
         positive_int("data.rollouts_per_step", self.rollouts_per_step)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harts.data.rollout_files import iter_file_steps, iter_rollout_steps
+from harts.data.rollout_files import drift_line, iter_file_steps
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
 from harts.tiny import tiny_config, tiny_model
@@ -142,15 +142,12 @@ def own_memory(model: torch.nn.Module) -> None:
 
 
 def rollout_steps(data: DataConfig) -> Iterator[list[Rollout]]:
-    """One pass over the file as optimizer steps (``harts.iter_rollout_steps``; groups kept whole)."""
-    if data.tokenizer is None:
-        return iter_rollout_steps(data.path, data.rollouts_per_step)
-    if "tokenizer" not in inspect.signature(iter_rollout_steps).parameters:
-        raise ValueError(
-            "data.tokenizer: this harts reads token-id rollout files only (its iter_rollout_steps takes no "
-            "tokenizer); remove data.tokenizer or give a file of token ids"
-        )
-    return iter_rollout_steps(data.path, data.rollouts_per_step, tokenizer=str(data.tokenizer))
+    """One pass over the file as optimizer steps (``harts.iter_rollout_steps``; groups kept whole).
+    Quiet about trajectories split where their context drifted: :func:`check_data` reports them."""
+    tokenizer = None if data.tokenizer is None else str(data.tokenizer)
+    steps = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, split_drift=data.split_drift,
+                            warn=False)  # fmt: skip
+    return ([item.rollout for item in step] for step in steps)
 
 
 def count_steps(data: DataConfig) -> tuple[int, int]:
@@ -165,19 +162,32 @@ class DataCheck:
 
     steps: int  # optimizer steps per epoch
     rollouts: int
-    form: str  # "tokens" or "chat"
+    form: str  # "tokens", "chat" or "turns"
     extra_fields: dict  # field that is no rollout field -> (lines that have it, where it first is)
     max_token: tuple[int, str]  # the largest token id, and where it is ("file, line N, position P")
+    # turns form: trajectories split where their context drifted, and where the first one was split
+    split: tuple[int, str] | None = None
 
     def extra_fields_line(self, path: Path) -> str | None:
-        """One line naming the fields harts does not read, or None when there are none."""
-        if not self.extra_fields:
-            return None
-        listed = ", ".join(
-            f"{name!r} ({count} line{'s' if count > 1 else ''}, first {where.rsplit(', ', 1)[-1]})"
-            for name, (count, where) in self.extra_fields.items()
-        )
-        return f"{path.name}: fields that are not rollout fields, kept as metadata, not trained on: {listed}"
+        """One line naming the fields harts does not read and the trajectories split where their
+        context drifted (turns form), or None when there are neither."""
+        parts = []
+        if self.extra_fields:
+            listed = ", ".join(
+                f"{name!r} ({count} line{'s' if count > 1 else ''}, first {_line(where)})"
+                for name, (count, where) in self.extra_fields.items()
+            )
+            what = "fields that are not rollout fields, kept as metadata, not trained on"
+            parts.append(f"{path.name}: {what}: {listed}")
+        if self.split is not None:
+            parts.append(drift_line(path, *self.split))
+        return "; ".join(parts) or None
+
+
+def _line(where: str) -> str:
+    """"line N" (or "row N") of a rollout's "file, line N[, trajectory ...]"."""
+    found = re.findall(r", ((?:line|row) \d+)", where)
+    return found[-1] if found else where
 
 
 def model_vocab_size(config: ModelConfig) -> int | None:
@@ -253,7 +263,9 @@ def check_data(
     form = "tokens"
     extra: dict[str, tuple[int, str]] = {}
     top = (-1, "")
-    batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size)
+    split, first_split = 0, ""
+    batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size, data.split_drift,
+                              warn=False)  # fmt: skip
     for steps, batch in enumerate(batches, 1):
         rollouts += len(batch)
         if ppo is not None and (groups := count_groups([item.rollout for item in batch])) < ppo.mini_batches:
@@ -264,6 +276,8 @@ def check_data(
             )
         for item in batch:
             form = item.form
+            if item.piece[0] == 0 and item.piece[1] > 1:
+                split, first_split = split + 1, first_split or item.drift
             for field, wanted, why in needs:
                 value = getattr(item.rollout, field)
                 if (value is not None) != wanted:
@@ -279,7 +293,7 @@ def check_data(
                 top = (int(tokens.max()), f"{item.where}, position {int(tokens.argmax())}")
     if steps == 0:
         raise ValueError(f"data.path: {data.path} holds no rollouts")
-    return DataCheck(steps, rollouts, form, extra, top)
+    return DataCheck(steps, rollouts, form, extra, top, (split, first_split) if split else None)
 
 
 def group_spans(rollouts: list[Rollout]) -> list[range]:
