@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAMILY = "qwen3_next" if "qwen3_next" in FAMILIES else FAMILIES[0]
 METRIC_KEYS = {"step", "reward", "loss", "grad_norm", "tokens", "unique_tokens", "computed_tokens",
                "redundancy", "micro_batches", "recomputed_parts", "sample_seconds", "train_seconds",
-               "seconds", "wall_seconds", "layout"}  # fmt: skip
+               "seconds", "wall_seconds", "layout", "groups_same_reward", "response_tokens_mean"}  # fmt: skip
 
 
 RL_TABLES = {

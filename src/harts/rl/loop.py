@@ -52,6 +52,7 @@ from harts.trainer.checkpoint import Checkpoint
 from harts.trainer.config import ObjectiveConfig
 from harts.trainer.inputs import load_model, own_memory, quiet_transformers
 from harts.trainer.logging_backends import check_backends
+from harts.trainer.rollout_stats import groups_same_reward, response_tokens
 from harts.trainer.run import Run, TrainingDiverged, update_metrics
 from harts.trainer.throughput import Throughput
 
@@ -187,6 +188,10 @@ class _RL(Run):
         record = {"step": self.step, "layout": self.layout.value, "reward": float(rewards.mean()),
                   "reward_std": float(rewards.std(unbiased=False)),
                   **update_metrics(result, grad_norm, lrs)}  # fmt: skip
+        same = groups_same_reward(sample.rollouts)
+        if same is not None:
+            record["groups_same_reward"] = same
+        record["response_tokens_mean"] = response_tokens(sample.rollouts)["response_tokens_mean"]
         computed = forest.num_tokens if self.layout is Layout.TREE else forest.num_flat_tokens
         record.update(
             rollouts=len(sample.rollouts),
