@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROLES", "ChatTokens", "load_tokenizer", "check_messages", "tokenize_chat", "resembles"]
+__all__ = ["ROLES", "ChatTokens", "load_tokenizer", "check_messages", "tokenize_chat", "resembles",
+           "first_difference"]  # fmt: skip
 
 ROLES = ("system", "user", "assistant", "tool")
 # the message keys harts reads; a key this close to one of them (and holding its kind of value) is
@@ -187,7 +188,8 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def _first_difference(a: Sequence, b: Sequence) -> int:
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter one's length when one prefixes the other)."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -251,14 +253,14 @@ def tokenize_chat(
             raise ValueError(
                 f"{at}, message {k1}: the chat template is not prefix-stable: the assistant message does "
                 f"not render as the generation prompt followed by the reply (they differ from character "
-                f"{_first_difference(before, after)}), so its tokens cannot be told"
+                f"{first_difference(before, after)}), so its tokens cannot be told"
             )
         for k in range(k0 + 1, k1 + 1 if prompt else k1):  # the first message whose rendering breaks it
             text = render(k + 1, False)
             if not text.startswith(before):
                 raise ValueError(
                     f"{at}, message {k}: the chat template is not prefix-stable: adding this message "
-                    f"changes how the earlier ones render (from character {_first_difference(before, text)}; "
+                    f"changes how the earlier ones render (from character {first_difference(before, text)}; "
                     f"e.g. a template that drops earlier reasoning), so the tokens the model saw at each "
                     f"turn are not those of the whole conversation"
                 )
@@ -266,7 +268,7 @@ def tokenize_chat(
         raise ValueError(
             f"{at}, message {k}: the chat template is not prefix-stable: the conversation before this "
             f"message renders differently once it{' (its generation prompt)' if prompt else ''} is added "
-            f"(from character {_first_difference(before, after)})"
+            f"(from character {first_difference(before, after)})"
         )
 
     # tokens: the same chain, each a prefix of the next as token ids too
@@ -280,7 +282,7 @@ def tokenize_chat(
             k = chain[j][0] + 1 if chain[j][1] else chain[j][0]
             raise ValueError(
                 f"{at}, message {k}: the renderings are prefixes as text but not as tokens: the tokenizer "
-                f"merges across the turn boundary (token {_first_difference(shorter, longer)} differs), so "
+                f"merges across the turn boundary (token {first_difference(shorter, longer)} differs), so "
                 f"the tokens the model saw at that turn are not those of the whole conversation"
             )
     tokens = np.asarray(ids[-1], dtype=np.int64)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from harts.data.chat import first_difference
 from harts.objectives.rollout import Rollout
 
 __all__ = [
@@ -150,14 +151,6 @@ def check_turn(
     return trajectory, turn, prompt, completion, logprobs
 
 
-def _first_difference(a: Sequence, b: Sequence) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def stitch_trajectory(
     turns: list[tuple[str, dict, tuple]], group: Any, split_drift: bool = True
 ) -> list[TurnPiece]:
@@ -217,7 +210,7 @@ def stitch_trajectory(
                 continue
             at = f"{_at(where, trajectory)}, turn {i}"
             if not split_drift:
-                diff = _first_difference(prompt, tokens)
+                diff = first_difference(prompt, tokens)
                 raise ValueError(
                     f"{at}, field 'prompt_token_ids': the context drifted: this prompt does not start with "
                     f"turn {i - 1}'s prompt and completion (they differ from position {diff}; {len(prompt)} "
