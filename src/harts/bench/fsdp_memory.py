@@ -345,6 +345,23 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def parse_launcher(parser: argparse.ArgumentParser, options: dict) -> argparse.Namespace:
+    """``parser``'s arguments plus the workers' ``options`` (passed on to each worker) and the hidden
+    ones a worker process is started with (``--worker``, ``--family``, ``--result``)."""
+    for name, default in options.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=f"default {default}")  # fmt: skip
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--family", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker_argv(a: argparse.Namespace, options: dict) -> list[str]:
+    """The arguments a launcher passes on to its workers: ``options``' values and the variants."""
+    return [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in options] + ["--variants", *a.variants]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=["qwen3", "bailing_hybrid"])
@@ -352,16 +369,10 @@ def main() -> None:
     parser.add_argument("--out", help="write every run's per-rank figures here (JSON)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per (family, N) run")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]))
-    for name, default in WORKER_OPTIONS.items():  # passed on to the workers
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"default {default}")  # fmt: skip
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--family", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    a = parse_launcher(parser, WORKER_OPTIONS)
     if a.worker:
         return worker(a)
-    argv = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in WORKER_OPTIONS] + ["--variants", *a.variants]
+    argv = worker_argv(a, WORKER_OPTIONS)
     results = []
     for family in a.families:
         for n in a.ranks:

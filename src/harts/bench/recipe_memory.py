@@ -71,7 +71,9 @@ from harts.bench.fsdp_memory import (
     launch,
     local_bytes,
     model_overrides,
+    parse_launcher,
     stock_step,
+    worker_argv,
 )
 
 PHASES = ("reference", "old", "values", "policy", "critic")
@@ -397,18 +399,12 @@ def main() -> None:
     parser.add_argument("--out", help="write every run's per-rank figures here (JSON)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per (model, N) run")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:2]))
-    for name, default in OPTIONS.items():  # passed on to the workers
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"default {default}")  # fmt: skip
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--family", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    a = parse_launcher(parser, OPTIONS)
     if a.worker:
         return worker(a)
     for spec in a.models:
         parse_model(spec)
-    argv = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in OPTIONS] + ["--variants", *a.variants]
+    argv = worker_argv(a, OPTIONS)
     results = []
     for spec in a.models:
         for n in a.ranks:

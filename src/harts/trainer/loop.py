@@ -114,17 +114,11 @@ def train_step(
 
     When the loss reads advantages, ``result.metrics`` gains ``advantage_mean`` and
     ``advantage_std`` over the whole step's loss rows (the same on every rank)."""
-    error, prepared = None, None
-    try:
-        prepared = _prepare(model, rollouts, objective, loss, ranks)
-    except ValueError as exc:
-        error = str(exc)
-    if ranks is not None:
-        error = collective(ranks.agree, error)
-    if error is not None:
-        raise ValueError(error)
-    forest, rows, local_forest, local_rows = prepared
-    report = _verify(model, local_forest, loss, run, ranks) if verify else None
+    forest, rows, local_forest, local_rows = _agreed(ranks, ValueError, _prepare, model, rollouts, objective,
+                                                     loss, ranks)  # fmt: skip
+    report = None
+    if verify:
+        report = _agreed(ranks, VerificationError, verify_step, model, local_forest, loss, run)
     reduce = None if ranks is None else all_reduce_sum
     normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
     result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
@@ -135,18 +129,19 @@ def train_step(
     return result, forest, report
 
 
-def _verify(model, forest: Forest, loss: PolicyLossConfig, run: RunConfig, ranks: Ranks | None
-            ) -> Verification | None:  # fmt: skip
-    error, report = None, None
+def _agreed(ranks: Ranks | None, error: type[Exception], fn, *args):
+    """``fn(*args)``; an ``error`` on any rank is raised on every rank with the first rank's message,
+    before the step's collectives (so no rank waits in one that another never enters)."""
+    message, out = None, None
     try:
-        report = verify_step(model, forest, loss, run)
-    except VerificationError as exc:
-        error = str(exc)
+        out = fn(*args)
+    except error as exc:
+        message = str(exc)
     if ranks is not None:
-        error = collective(ranks.agree, error)
-    if error is not None:
-        raise VerificationError(error)
-    return report
+        message = collective(ranks.agree, message)
+    if message is not None:
+        raise error(message)
+    return out
 
 
 def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig, ranks: Ranks | None):

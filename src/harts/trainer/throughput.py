@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from harts.forest import Forest
+from harts.runtime.executor import resolve_model
+from harts.runtime.flops import flop_model
 
 __all__ = ["Throughput", "PEAK_FLOPS", "loss_tokens"]
 
@@ -68,9 +70,6 @@ class Throughput:
     """The FLOP model of ``model`` (read once, before sharding) and its device's peak."""
 
     def __init__(self, model: nn.Module, world_size: int = 1):
-        from harts.runtime.executor import resolve_model
-        from harts.runtime.flops import flop_model
-
         try:
             self.flops = flop_model(resolve_model(model))
         except (ValueError, AttributeError, TypeError):  # a layer type the model does not cost
