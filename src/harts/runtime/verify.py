@@ -173,11 +173,25 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _take(params: list[nn.Parameter]) -> list[Tensor | None]:
+@contextlib.contextmanager
+def _set_aside(params: list[nn.Parameter]):
+    """The gradients ``params`` hold, set aside while the block runs (``.grad`` None) and put back
+    after it, whatever the block left there: the check never changes what the call accumulates."""
     held = [p.grad for p in params]
     for p in params:
         p.grad = None
-    return held
+    try:
+        yield
+    finally:
+        for p, before in zip(params, held, strict=True):
+            p.grad = before
+
+
+def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
+    """Each parameter's gradient by name, fp64 on the CPU (zeros where none)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    return {n: p.grad.detach().double().cpu() if p.grad is not None else zero.expand(p.shape)
+            for n, p in named}  # fmt: skip
 
 
 def _stock(model: nn.Module, trajectories: list[Tensor], loss: _RowLoss | None, values: bool,
@@ -186,30 +200,22 @@ def _stock(model: nn.Module, trajectories: list[Tensor], loss: _RowLoss | None, 
     its loss summed over the trajectories (fp64 by name)."""
     device = next(model.parameters()).device
     named = _trainable(model)
-    held = _take([p for _, p in named]) if loss is not None else None
-    out, offset = [], 0
+    out, offset, grads = [], 0, None
     grad_mode = torch.enable_grad() if loss is not None else torch.no_grad()
     cast = contextlib.nullcontext() if autocast else torch.autocast(device.type, enabled=False)
-    try:
-        with grad_mode, cast:
-            for ids in trajectories:
-                ids = ids.to(device)
-                first, second = _stock_rows(model, ids, values, temperature, autocast)
-                rows = first.numel()
-                if loss is not None:
-                    _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
-                        first, second
-                    ).backward()
-                out.append(first.detach().double().cpu())
-                offset += rows
-        grads = None
+    with _set_aside([p for _, p in named]), grad_mode, cast:
+        for ids in trajectories:
+            ids = ids.to(device)
+            first, second = _stock_rows(model, ids, values, temperature, autocast)
+            rows = first.numel()
+            if loss is not None:
+                _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
+                    first, second
+                ).backward()
+            out.append(first.detach().double().cpu())
+            offset += rows
         if loss is not None:
-            grads = {n: (p.grad.detach().double().cpu() if p.grad is not None else torch.zeros(p.shape,
-                     dtype=torch.float64)) for n, p in named}  # fmt: skip
-    finally:
-        if held is not None:
-            for (_, p), before in zip(named, held, strict=True):
-                p.grad = before
+            grads = _grads(named)
     return torch.cat(out), grads
 
 
@@ -283,30 +289,19 @@ def verify_sample(
         loss = _RowLoss(a, b, separable)
     named = _trainable(model)
     params = [p for _, p in named]
-    held = _take(params)
-    try:
-        budget = run.budget_tokens
-        if budget is not None:
-            budget = max(1, min(budget, sub.num_tokens // 2))
-        sample_run = dataclasses.replace(run.unverified, budget_tokens=budget)
+    budget = run.budget_tokens
+    if budget is not None:
+        budget = max(1, min(budget, sub.num_tokens // 2))
+    sample_run = dataclasses.replace(run.unverified, budget_tokens=budget)
+    with _set_aside(params):
         harts_values = harts_rows(sub, predictor, target, loss, sample_run).detach().double().cpu()
-        harts_grads = None
-        if gradients:
-            harts_grads = {n: (p.grad.detach().double().cpu() if p.grad is not None else torch.zeros(p.shape,
-                           dtype=torch.float64)) for n, p in named}  # fmt: skip
-    finally:
-        for p, before in zip(params, held, strict=True):
-            p.grad = before
+        harts_grads = _grads(named) if gradients else None
     stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast)
     truth = model if (truth_dtype == torch.float32 and autocast) or label == "fp64" else _truth_model(
         model, truth_dtype)  # fmt: skip
-    held = _take(params)  # whatever the copy's forward reaches, the model's gradients stay as they were
-    try:
+    with _set_aside(params):  # whatever the copy's forward reaches, the model's gradients stay as they were
         true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False)
-    finally:
-        for p, before in zip(params, held, strict=True):
-            p.grad = before
-        del truth
+    del truth
     where = _Where(chosen, [t.numel() for t in trajectories])
     kind = "value" if values else "log-prob"
     value_error, value_bound, stock_error = _check_values(harts_values, stock_values, true_values, label,
