@@ -307,6 +307,138 @@ def node_depth_and_subtree_end(parent: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.asarray(depth, dtype=np.int64), np.asarray(end, dtype=np.int64)
 
 
+def _input_trajectories(
+    trajectories, attention_mask, cu_seqlens, position_ids
+) -> tuple[Sequence, BatchLayout | None]:
+    """The trajectories as one sequence each, and the batch layout they came from (None for a list).
+
+    A padded or packed batch is split here, so that everything after sees plain trajectories; batch
+    position arguments given with a list are refused, since they describe a tensor of input_ids.
+    """
+    layout = None
+    is_array = isinstance(trajectories, (torch.Tensor, np.ndarray))
+    if is_array and (
+        trajectories.ndim == 2 or any(x is not None for x in (attention_mask, cu_seqlens, position_ids))
+    ):
+        layout = batch_layout(trajectories, attention_mask, cu_seqlens, position_ids)
+        trajectories = layout.split(trajectories, "input_ids")
+    elif any(x is not None for x in (attention_mask, cu_seqlens, position_ids)):
+        raise TypeError(
+            "attention_mask, cu_seqlens and position_ids describe a tensor of input_ids, not a list"
+        )
+    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
+        raise TypeError(f"expected a sequence of trajectories, got {type(trajectories).__name__}")
+    if len(trajectories) == 0:
+        raise ValueError("empty forest: at least one trajectory is needed")
+    return trajectories, layout
+
+
+def _sort_by_tokens(arrays: list[np.ndarray], share_prefixes: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """The trajectories in lexicographic order of their tokens, and that permutation ``order``.
+
+    Sorting puts every trajectory next to the one it shares the longest prefix with, so the LCPs
+    of neighbours describe the whole trie. The flat layout keeps the given order.
+    """
+    num = len(arrays)
+    if share_prefixes and num > 1:
+        # Big-endian bytes compare like the integer sequences they encode (ids are >= 0).
+        keys = [a.astype(">i8").tobytes() for a in arrays]
+        order = np.asarray(sorted(range(num), key=keys.__getitem__), dtype=np.int64)
+        return [arrays[i] for i in order.tolist()], order
+    return arrays, np.arange(num, dtype=np.int64)
+
+
+def _chain_hosts(lcp: np.ndarray) -> np.ndarray:
+    """[B] the chain each sorted trajectory's chain hangs off, -1 for a root chain (lcp 0).
+
+    Chain r holds the tokens trajectory r adds beyond its predecessor, path depths [lcp[r], lens[r]).
+    It hangs off (or, if empty, ends inside) chain host[r], the previous r' with lcp[r'] < lcp[r]:
+    trajectories between them share more than lcp[r] tokens, so none of them holds depth lcp[r]-1.
+    A stack finds every host in one Python step per trajectory.
+    """
+    lcp_l = lcp.tolist()
+    host_l = [-1] * len(lcp_l)
+    stack: list[int] = []
+    for r, d in enumerate(lcp_l):
+        while stack and lcp_l[stack[-1]] >= d:
+            stack.pop()
+        if d > 0:
+            host_l[r] = stack[-1]
+        stack.append(r)
+    return np.asarray(host_l, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """The compacted trie's nodes, numbered chain by chain and by depth inside a chain (pre-order).
+    ``keys``: the sorted node boundaries as ``chain * width + depth``, from which nodes are found."""
+
+    keys: np.ndarray
+    width: int
+    node_of_boundary: np.ndarray
+    path_start: np.ndarray
+    length: np.ndarray
+    chain: np.ndarray
+
+    def ending_at(self, chain: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """The node of each ``chain`` whose last token sits at path depth ``depth - 1``."""
+        return self.node_of_boundary[np.searchsorted(self.keys, chain * self.width + depth) - 1]
+
+
+def _cut_nodes(lens: np.ndarray, lcp: np.ndarray, host: np.ndarray, own: np.ndarray) -> _Nodes:
+    """Cut the chains into nodes: at each chain's start and end, and in the host wherever a later
+    trajectory branches off or ends (both at depth lcp[r]), so that a node is shared by exactly
+    one set of trajectories. ``own``: chains with tokens of their own."""
+    width = int(lens.max()) + 1
+    chains = np.arange(lens.size, dtype=np.int64)
+    branched = lcp > 0
+    own_ends = np.concatenate([chains[own] * width + lcp[own], chains[own] * width + lens[own]])
+    bkeys = np.unique(np.concatenate([own_ends, host[branched] * width + lcp[branched]]))
+    bchain, bdepth = bkeys // width, bkeys % width
+    is_start = np.zeros(bkeys.size, dtype=bool)
+    is_start[:-1] = bchain[1:] == bchain[:-1]  # a boundary followed by one in the same chain
+    node_of_boundary = np.cumsum(is_start) - 1  # node starting at boundary i (where is_start[i])
+    starts = np.flatnonzero(is_start)
+    path_start = bdepth[starts]
+    return _Nodes(
+        keys=bkeys,
+        width=width,
+        node_of_boundary=node_of_boundary,
+        path_start=path_start,
+        length=bdepth[starts + 1] - path_start,
+        chain=bchain[starts],
+    )
+
+
+def _node_parents(nodes: _Nodes, lcp: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """[M] parent of each node: the previous node of its chain, or for a chain's first node the host
+    node ending at depth lcp[r]; -1 for a root. Nodes come chain by chain in sorted order, and by depth
+    inside a chain: lexicographic pre-order, so parents precede children and subtrees are contiguous."""
+    node_chain = nodes.chain
+    node_parent = np.arange(node_chain.size, dtype=np.int64) - 1
+    first = np.ones(node_chain.size, dtype=bool)
+    first[1:] = node_chain[1:] != node_chain[:-1]
+    first_idx = np.flatnonzero(first)
+    fc = node_chain[first_idx]
+    hosted = lcp[fc] > 0
+    node_parent[first_idx[~hosted]] = -1
+    node_parent[first_idx[hosted]] = nodes.ending_at(host[fc[hosted]], lcp[fc[hosted]])
+    return node_parent
+
+
+def _node_multiplicity(node_parent: np.ndarray, trajectory_end_node: np.ndarray) -> list[int]:
+    """[M] trajectories through each node: those ending there plus its children's, folded backward
+    (children come after parents), one step per node."""
+    m = int(node_parent.size)
+    parent_l = node_parent.tolist()
+    mult = np.bincount(trajectory_end_node, minlength=m).tolist()
+    for n in range(m - 1, 0, -1):
+        p = parent_l[n]
+        if p >= 0:
+            mult[p] += mult[n]
+    return mult
+
+
 def build_forest(
     trajectories,
     share_prefixes: bool = True,
@@ -326,118 +458,40 @@ def build_forest(
     prefix of another ends at an internal node. With ``share_prefixes=False`` every trajectory
     is its own root node (the flat layout).
     """
-    layout = None
-    is_array = isinstance(trajectories, (torch.Tensor, np.ndarray))
-    if is_array and (
-        trajectories.ndim == 2 or any(x is not None for x in (attention_mask, cu_seqlens, position_ids))
-    ):
-        layout = batch_layout(trajectories, attention_mask, cu_seqlens, position_ids)
-        trajectories = layout.split(trajectories, "input_ids")
-    elif any(x is not None for x in (attention_mask, cu_seqlens, position_ids)):
-        raise TypeError(
-            "attention_mask, cu_seqlens and position_ids describe a tensor of input_ids, not a list"
-        )
-    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
-        raise TypeError(f"expected a sequence of trajectories, got {type(trajectories).__name__}")
-    if len(trajectories) == 0:
-        raise ValueError("empty forest: at least one trajectory is needed")
+    trajectories, layout = _input_trajectories(trajectories, attention_mask, cu_seqlens, position_ids)
     arrays = [as_token_array(t, i) for i, t in enumerate(trajectories)]
     num = len(arrays)
     lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=num)
-
-    if share_prefixes and num > 1:
-        # Big-endian bytes compare like the integer sequences they encode (ids are >= 0).
-        keys = [a.astype(">i8").tobytes() for a in arrays]
-        order = np.asarray(sorted(range(num), key=keys.__getitem__), dtype=np.int64)
-        arrays = [arrays[i] for i in order.tolist()]
-    else:
-        order = np.arange(num, dtype=np.int64)
+    arrays, order = _sort_by_tokens(arrays, share_prefixes)
     # From here on, r indexes trajectories in sorted order.
     lens = lengths[order]
     lcp = _neighbour_lcp(arrays, lens) if share_prefixes else np.zeros(num, dtype=np.int64)
-
-    # Chain r: the tokens trajectory r adds beyond its predecessor, path depths [lcp[r], lens[r]).
-    # It hangs off (or, if empty, ends inside) chain host[r], the previous r' with lcp[r'] < lcp[r]:
-    # trajectories between them share more than lcp[r] tokens, so none of them holds depth lcp[r]-1.
-    lcp_l = lcp.tolist()
-    host_l = [-1] * num
-    stack: list[int] = []
-    for r, d in enumerate(lcp_l):
-        while stack and lcp_l[stack[-1]] >= d:
-            stack.pop()
-        if d > 0:
-            host_l[r] = stack[-1]
-        stack.append(r)
-    host = np.asarray(host_l, dtype=np.int64)
+    host = _chain_hosts(lcp)
     own = lens > lcp  # chains with tokens of their own (the others: duplicates and prefixes)
-
-    # Node boundaries as keys chain*W + depth: each chain's start and end, and a cut in the host
-    # wherever a later trajectory branches off or ends (both at depth lcp[r]).
-    width = int(lens.max()) + 1
-    chains = np.arange(num, dtype=np.int64)
-    branched = lcp > 0
-    bkeys = np.unique(
-        np.concatenate(
-            [
-                chains[own] * width + lcp[own],
-                chains[own] * width + lens[own],
-                host[branched] * width + lcp[branched],
-            ]
-        )
-    )
-    bchain, bdepth = bkeys // width, bkeys % width
-    is_start = np.zeros(bkeys.size, dtype=bool)
-    is_start[:-1] = bchain[1:] == bchain[:-1]  # a boundary followed by one in the same chain
-    node_of_boundary = np.cumsum(is_start) - 1  # node starting at boundary i (where is_start[i])
-    starts = np.flatnonzero(is_start)
-    node_path_start = bdepth[starts]
-    node_length = bdepth[starts + 1] - node_path_start
-    node_chain = bchain[starts]
-    m = int(starts.size)
-
-    def node_ending_at(chain: np.ndarray, depth: np.ndarray) -> np.ndarray:
-        return node_of_boundary[np.searchsorted(bkeys, chain * width + depth) - 1]
-
-    # Parents: the previous node of the chain, or for a chain's first node the host node ending at
-    # depth lcp[r]; roots have none. Nodes come chain by chain in sorted order, and by depth inside
-    # a chain: lexicographic pre-order, so parents precede children and subtrees are contiguous.
-    node_parent = np.arange(m, dtype=np.int64) - 1
-    first = np.ones(m, dtype=bool)
-    first[1:] = node_chain[1:] != node_chain[:-1]
-    first_idx = np.flatnonzero(first)
-    fc = node_chain[first_idx]
-    hosted = lcp[fc] > 0
-    node_parent[first_idx[~hosted]] = -1
-    node_parent[first_idx[hosted]] = node_ending_at(host[fc[hosted]], lcp[fc[hosted]])
+    nodes = _cut_nodes(lens, lcp, host, own)
+    node_parent = _node_parents(nodes, lcp, host)
 
     # Each trajectory ends at the node (of its own chain, or its host's) that ends at depth len.
     traj_end = np.empty(num, dtype=np.int64)
-    traj_end[order] = node_ending_at(np.where(own, chains, host), lens)
+    traj_end[order] = nodes.ending_at(np.where(own, np.arange(num, dtype=np.int64), host), lens)
 
     # Unique tokens: chain r contributes arrays[r][lcp[r]:], already in node order.
-    tokens = np.concatenate([arrays[r][d:] for r, d in enumerate(lcp_l) if arrays[r].size > d])
+    tokens = np.concatenate([arrays[r][d:] for r, d in enumerate(lcp.tolist()) if arrays[r].size > d])
 
     depth, subtree_end = node_depth_and_subtree_end(node_parent)
-    # Multiplicities backward (children after parents): one step per node.
-    parent_l = node_parent.tolist()
-    mult = np.bincount(traj_end, minlength=m).tolist()
-    for n in range(m - 1, 0, -1):
-        p = parent_l[n]
-        if p >= 0:
-            mult[p] += mult[n]
-    length_t = torch.from_numpy(node_length)
+    length_t = torch.from_numpy(nodes.length)
     return Forest(
         tokens=torch.from_numpy(tokens),
         node_start=torch.cumsum(length_t, 0) - length_t,
         node_length=length_t,
         node_parent=torch.from_numpy(node_parent),
         node_depth=torch.from_numpy(depth),
-        node_path_start=torch.from_numpy(node_path_start),
-        node_multiplicity=torch.tensor(mult, dtype=torch.long),
+        node_path_start=torch.from_numpy(nodes.path_start),
+        node_multiplicity=torch.tensor(_node_multiplicity(node_parent, traj_end), dtype=torch.long),
         node_subtree_end=torch.from_numpy(subtree_end),
         trajectory_end_node=torch.from_numpy(traj_end),
         trajectory_length=torch.from_numpy(lengths),
-        node_trajectory=torch.from_numpy(order[node_chain]),
+        node_trajectory=torch.from_numpy(order[nodes.chain]),
         shares_prefixes=share_prefixes,
         batch_layout=layout,
     )
