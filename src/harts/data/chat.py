@@ -197,19 +197,8 @@ def first_difference(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def tokenize_chat(
-    messages: Any, tokenizer: Any, *, tools: Any = None, where: str = "conversation"
-) -> ChatTokens:
-    """Token ids and the assistant-turn loss mask of one conversation (see the module docstring).
-
-    ``tokenizer``: a local tokenizer directory or a loaded tokenizer with a chat template.
-    ``tools``: tool schemas handed to the template (``apply_chat_template(tools=...)``).
-    Errors name ``where`` (a file and line when reading a file), the field and the message.
-    """
-    tokenizer = load_tokenizer(tokenizer)
-    messages = check_messages(messages, where)
-    tools = _check_tools(where, tools)
-    at = f"{where}, field 'messages'"
+def _assistant_turns(at: str, messages: list[dict]) -> list[int]:
+    """Indices of the assistant messages: the turns the loss mask covers, each after a prompt."""
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistants:
         raise ValueError(f"{at}: no assistant message, so nothing to train on")
@@ -217,34 +206,45 @@ def tokenize_chat(
         raise ValueError(
             f"{at}, message 0: the conversation opens with an assistant turn, which has no prompt"
         )
+    return assistants
+
+
+def _render(at: str, tokenizer, messages: list[dict], tools, k: int, prompt: bool) -> str:
+    """The text of the first ``k`` messages (with the generation prompt when ``prompt``); a template
+    error names message ``k - 1``, the one that was added last."""
     try:
-        template = tokenizer.get_chat_template(None, tools)
-    except Exception as exc:
-        raise ValueError(f"{at}: the tokenizer has no usable chat template ({exc})") from None
+        text = tokenizer.apply_chat_template(
+            messages[:k], tools=tools, tokenize=False, add_generation_prompt=prompt
+        )
+    except Exception as exc:  # a template's raise_exception, a jinja error
+        why = f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{at}, message {k - 1}: the chat template failed ({why})") from None
+    if not isinstance(text, str):
+        kind = type(text).__name__
+        raise TypeError(f"{at}: apply_chat_template(tokenize=False) returned {kind}, not text")
+    return text
 
-    def render(k: int, prompt: bool) -> str:
-        try:
-            text = tokenizer.apply_chat_template(
-                messages[:k], tools=tools, tokenize=False, add_generation_prompt=prompt
-            )
-        except Exception as exc:  # a template's raise_exception, a jinja error
-            why = f"{type(exc).__name__}: {exc}"
-            raise ValueError(f"{at}, message {k - 1}: the chat template failed ({why})") from None
-        if not isinstance(text, str):
-            kind = type(text).__name__
-            raise TypeError(f"{at}: apply_chat_template(tokenize=False) returned {kind}, not text")
-        return text
 
-    # The chain of what the model saw and wrote: the prompt before each assistant message (with the
-    # generation prompt), the conversation through it, ..., the whole conversation. Each must be a
-    # prefix of the next. Renderings between them (after a tool result that another follows, say)
-    # are never seen by the model and need not be prefixes; they are read only to name a failure.
-    n = len(messages)
-    chain: list[tuple[int, bool, str]] = []  # (last message index, generation prompt, text)
+def _rendering_chain(render, assistants: list[int], n: int) -> list[tuple[int, bool, str]]:
+    """The chain of what the model saw and wrote, as (last message index, generation prompt, text).
+
+    The prompt before each assistant message (with the generation prompt), the conversation through
+    it, ..., the whole conversation of ``n`` messages: each must be a prefix of the next.
+    """
+    chain: list[tuple[int, bool, str]] = []
     for a in assistants:
         chain += [(a - 1, True, render(a, True)), (a, False, render(a + 1, False))]
     if assistants[-1] != n - 1:
         chain.append((n - 1, False, render(n, False)))
+    return chain
+
+
+def _check_text_prefixes(at: str, render, chain: list[tuple[int, bool, str]]) -> None:
+    """Refuse a chain whose renderings are not each a prefix of the next, naming the message to blame.
+
+    Renderings between two links (after a tool result that another follows, say) are never seen by
+    the model and need not be prefixes; they are read only to find the first message that breaks it.
+    """
     for j in range(1, len(chain)):
         (k0, _, before), (k1, prompt, after) = chain[j - 1], chain[j]
         if after.startswith(before):
@@ -271,7 +271,10 @@ def tokenize_chat(
             f"(from character {first_difference(before, after)})"
         )
 
-    # tokens: the same chain, each a prefix of the next as token ids too
+
+def _tokenize_chain(at: str, tokenizer, chain: list[tuple[int, bool, str]]) -> list:
+    """Token ids of each rendering of the chain, refused unless each is a prefix of the next as ids
+    too: a tokenizer that merges across a turn boundary gave the model other tokens than these."""
     try:
         ids = tokenizer([text for _, _, text in chain], add_special_tokens=False)["input_ids"]
     except Exception as exc:
@@ -285,40 +288,77 @@ def tokenize_chat(
                 f"merges across the turn boundary (token {first_difference(shorter, longer)} differs), so "
                 f"the tokens the model saw at that turn are not those of the whole conversation"
             )
-    tokens = np.asarray(ids[-1], dtype=np.int64)
+    return ids
+
+
+def _marker_mask(at: str, tokenizer, messages, tools, tokens: np.ndarray, turns) -> np.ndarray:
+    """The loss mask the template's generation markers give, refused where it differs in tokens from
+    the progressive rendering or covers a token outside every assistant turn."""
     length = tokens.size
-
-    turns = []  # [start, end) of each assistant turn's tokens, header excluded
-    for j, _a in enumerate(assistants):
-        turns.append((len(ids[2 * j]), len(ids[2 * j + 1])))
-
-    markers = bool(_GENERATION_MARKER.search(template)) and bool(getattr(tokenizer, "is_fast", False))
     mask = np.zeros(length, dtype=bool)
-    if markers:
-        try:
-            out = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-        except Exception as exc:
-            raise ValueError(f"{at}: the chat template's generation markers failed ({exc})") from None
-        if list(out["input_ids"]) != tokens.tolist():
-            raise ValueError(f"{at}: the rendering with generation markers differs from the one without")
-        mask[:] = np.asarray(out["assistant_masks"], dtype=bool)
-        inside = np.zeros(length, dtype=bool)
-        for start, end in turns:
-            inside[start:end] = True
-        if (mask & ~inside).any():
-            pos = int(np.argmax(mask & ~inside))
-            raise ValueError(
-                f"{at}: the chat template's generation markers cover token {pos}, outside every assistant "
-                f"turn (a header or another role's message)"
-            )
-        return ChatTokens(tokens, mask, "generation markers")
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+    except Exception as exc:
+        raise ValueError(f"{at}: the chat template's generation markers failed ({exc})") from None
+    if list(out["input_ids"]) != tokens.tolist():
+        raise ValueError(f"{at}: the rendering with generation markers differs from the one without")
+    mask[:] = np.asarray(out["assistant_masks"], dtype=bool)
+    inside = np.zeros(length, dtype=bool)
+    for start, end in turns:
+        inside[start:end] = True
+    if (mask & ~inside).any():
+        pos = int(np.argmax(mask & ~inside))
+        raise ValueError(
+            f"{at}: the chat template's generation markers cover token {pos}, outside every assistant "
+            f"turn (a header or another role's message)"
+        )
+    return mask
 
+
+def _progressive_mask(tokenizer, tokens: np.ndarray, turns) -> np.ndarray:
+    """The loss mask on each assistant turn's tokens, cut after its last special token."""
+    mask = np.zeros(tokens.size, dtype=bool)
     special = _special_ids(tokenizer)
     for start, end in turns:
         last = [p for p in range(start, end) if int(tokens[p]) in special]
         if last:  # the end-of-turn token; what follows is the template's separator, not the model's
             end = last[-1] + 1
         mask[start:end] = True
-    return ChatTokens(tokens, mask, "progressive")
+    return mask
+
+
+def tokenize_chat(
+    messages: Any, tokenizer: Any, *, tools: Any = None, where: str = "conversation"
+) -> ChatTokens:
+    """Token ids and the assistant-turn loss mask of one conversation (see the module docstring).
+
+    ``tokenizer``: a local tokenizer directory or a loaded tokenizer with a chat template.
+    ``tools``: tool schemas handed to the template (``apply_chat_template(tools=...)``).
+    Errors name ``where`` (a file and line when reading a file), the field and the message.
+    """
+    tokenizer = load_tokenizer(tokenizer)
+    messages = check_messages(messages, where)
+    tools = _check_tools(where, tools)
+    at = f"{where}, field 'messages'"
+    assistants = _assistant_turns(at, messages)
+    try:
+        template = tokenizer.get_chat_template(None, tools)
+    except Exception as exc:
+        raise ValueError(f"{at}: the tokenizer has no usable chat template ({exc})") from None
+
+    def render(k: int, prompt: bool) -> str:
+        return _render(at, tokenizer, messages, tools, k, prompt)
+
+    chain = _rendering_chain(render, assistants, len(messages))
+    _check_text_prefixes(at, render, chain)
+    ids = _tokenize_chain(at, tokenizer, chain)
+    tokens = np.asarray(ids[-1], dtype=np.int64)
+    # [start, end) of each assistant turn's tokens, header excluded
+    turns = [(len(ids[2 * j]), len(ids[2 * j + 1])) for j in range(len(assistants))]
+    if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
+        return ChatTokens(
+            tokens, _marker_mask(at, tokenizer, messages, tools, tokens, turns), "generation markers"
+        )
+    return ChatTokens(tokens, _progressive_mask(tokenizer, tokens, turns), "progressive")
