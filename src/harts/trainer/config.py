@@ -1,9 +1,10 @@
 """The config of ``harts train``: one TOML file read into typed, validated dataclasses.
 
-Why a typed layer over the TOML table: a typo in a key (``lerning_rate``) or a value of the wrong
-type would otherwise be ignored or fail deep inside a run. Every key is checked here, before a
-model loads, and every error is one line naming the file and the key (``train.toml:
-optimizer.lr: expected a number, got 'fast' (str)``); an unknown key lists the valid ones.
+Every key is checked here, before a model loads, and every error is one line naming the file and
+the key (``train.toml: optimizer.lr: expected a number, got 'fast' (str)``); an unknown key lists
+the valid ones. The reading and type checking are :mod:`harts.trainer.toml_sections`'s; this
+module (with :mod:`harts.trainer.sections`, the sections only ``harts train`` has) says what each
+section holds and which values it refuses.
 
 Layout (every key, its default and meaning: ``docs/training.md``)::
 
@@ -34,11 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
-from typing import Union, get_args, get_origin, get_type_hints
 
 from harts.adapters import FamilyUnavailable, adapter_for_type
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS
@@ -49,12 +47,25 @@ from harts.tiny import ALL_FAMILIES
 from harts.trainer.sections import (
     DTYPES,
     FROM_POLICY,
+    INITIAL,
     CriticSection,
+    DistributedSection,
     EvalSection,
     LoRASection,
+    MoESection,
+    PPOSection,
+    ReferenceSection,
     SamplesSection,
     one_of,
     positive_int,
+)
+from harts.trainer.toml_sections import (
+    build_section,
+    convert,
+    describe,
+    enum_fields,
+    keys_of,
+    read_toml_config,
 )
 
 __all__ = [
@@ -114,28 +125,10 @@ _PARAM_TYPES = {"whiten": bool}
 _TENSOR_PARAMS = {"token_rewards": "each rollout's reward is put on its last loss position"}
 
 
-def _enum(hint) -> type[StrEnum] | None:
-    return hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
-
-
 #: PolicyLossConfig's fields that take an enum (kind, kl_estimator, aggregation): in a file, its strings
-_LOSS_ENUMS = {name: enum for name, hint in get_type_hints(PolicyLossConfig).items() if (enum := _enum(hint))}
-
-
-def _loss_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    """:class:`harts.PolicyLossConfig`'s fields as file keys: an enum field takes its value's string."""
-    hints = get_type_hints(PolicyLossConfig)
-    out = []
-    for f in dataclasses.fields(PolicyLossConfig):
-        default = f.default.value if isinstance(f.default, StrEnum) else f.default
-        keyed = field(default=default, default_factory=f.default_factory)
-        out.append((f.name, str if f.name in _LOSS_ENUMS else hints[f.name], keyed))
-    return out
-
-
+_LOSS_ENUMS = enum_fields(PolicyLossConfig)
 # the loss's keys, read from PolicyLossConfig so that a field it gains is a key of [objective] too
-_LossKeys = dataclasses.make_dataclass("_LossKeys", _loss_fields(), frozen=True)
-_LossKeys.__module__ = __name__
+_LossKeys = keys_of(PolicyLossConfig, "_LossKeys", __name__)
 
 
 @dataclass(frozen=True)
@@ -176,7 +169,7 @@ class ObjectiveConfig(_LossKeys):
                         f"objective.advantage_params: {self.advantage} takes no parameter {name!r}; "
                         f"valid: {', '.join(settable) or 'none'}"
                     )
-                _convert(f"objective.advantage_params.{name}", value, _PARAM_TYPES.get(name, float))
+                convert(f"objective.advantage_params.{name}", value, _PARAM_TYPES.get(name, float))
         if self.max_length is not None and not self.max_length > 0:
             raise ValueError(f"objective.max_length: expected a positive number, got {self.max_length}")
         if loss.needs_max_length and self.max_length is None:
@@ -188,18 +181,20 @@ class ObjectiveConfig(_LossKeys):
         return PolicyLossConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
 
 
-@dataclass(frozen=True)
-class RunSection:
-    """:class:`harts.RunConfig`: how each step's forest is run (time and memory, never the result)."""
+#: RunConfig's fields a file does not set: the cost model is an object (fitted by harts bench), and
+#: which updates are checked against the stock forward is the trainer's choice (``verify`` below)
+_RUN_NOT_KEYS = ("cost_model", "verify")
+# the run's keys, read from RunConfig so that a field it gains is a key of [run] too
+_RunKeys = keys_of(RunConfig, "_RunKeys", __name__, exclude=_RUN_NOT_KEYS)
 
-    budget_tokens: int | None = None
-    context_weight: float = RunConfig.context_weight
-    linear_plan: str = "auto"
-    chunk_rows: int = RunConfig.chunk_rows
-    recompute_linear: bool = False
-    hold_tokens: int | str = RunConfig.hold_tokens  # "auto" (the budget) or a token count
-    fsdp_overlap: bool = True
-    backend: str = "auto"
+
+@dataclass(frozen=True)
+class RunSection(_RunKeys):
+    """:class:`harts.RunConfig`: how each step's forest is run (time and memory, never the result).
+
+    Its keys are RunConfig's fields (an enum as its string) but ``cost_model``; ``verify`` is the
+    file's own: which updates the trainer checks, where RunConfig's says whether one call is."""
+
     # the step checked against the stock forward: "first" (the first update of a run and the first
     # after a resume), "never", or N (every N-th update, the first included)
     verify: str | int = "first"
@@ -216,9 +211,8 @@ class RunSection:
             raise ValueError(f"run: {exc}") from None
 
     def run_config(self) -> RunConfig:
-        fields = dataclasses.asdict(self)
-        del fields["verify"]  # which updates are verified is the trainer's; the check is RunConfig's
-        return RunConfig(**fields)
+        """The RunConfig of every update (whether an update is verified is decided per update)."""
+        return RunConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(_RunKeys)})
 
     def verifies(self, update: int, first_of_session: bool) -> bool:
         """Whether optimizer update ``update`` (1-based) is checked against the stock forward."""
@@ -314,88 +308,6 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
-class MoESection:
-    """MoE statistics and balancing (``harts.MoEConfig``); MoE families only."""
-
-    enabled: bool = False
-    aux_loss_coef: float | None = None  # None: the model config's, for aux-loss families
-    bias_update_speed: float = 0.0  # bias-balanced families: score-correction bias step after each update
-
-    def __post_init__(self):
-        if (self.aux_loss_coef is not None or self.bias_update_speed) and not self.enabled:
-            raise ValueError("moe: set moe.enabled = true to use aux_loss_coef or bias_update_speed")
-        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
-            raise ValueError(f"moe.aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
-        if not self.bias_update_speed >= 0:
-            raise ValueError(f"moe.bias_update_speed: expected >= 0, got {self.bias_update_speed}")
-
-
-@dataclass(frozen=True)
-class DistributedSection:
-    """Used when torchrun starts several processes (``WORLD_SIZE`` > 1); ignored on one."""
-
-    strategy: str = "ddp"  # ddp: every rank holds the model; fsdp: FSDP2 shards it (fully_shard)
-    balance: str = "cost"  # trees to ranks by a FLOP model ("cost") or by unique tokens ("tokens")
-    timeout_s: float = 600.0  # a collective that waits longer (a dead or hung rank) fails
-
-    def __post_init__(self):
-        one_of("distributed.strategy", self.strategy, ["ddp", "fsdp"])
-        one_of("distributed.balance", self.balance, ["cost", "tokens"])
-        if not self.timeout_s > 0:
-            raise ValueError(f"distributed.timeout_s: expected > 0, got {self.timeout_s}")
-
-
-#: ``reference.model`` for the run's starting weights
-INITIAL = "initial"
-
-
-@dataclass(frozen=True)
-class ReferenceSection:
-    """The KL term's reference policy, run by the trainer: ``model`` is ``"initial"`` (the run's
-    starting weights, a frozen copy) or a local Hugging Face directory. It runs in eval mode
-    without autograd; ``dtype`` / ``device`` default to the policy's (``[model]``)."""
-
-    model: str
-    dtype: str | None = None
-    device: str | None = None
-
-    def __post_init__(self):
-        if self.dtype is not None:
-            one_of("reference.dtype", self.dtype, DTYPES)
-
-    @property
-    def initial(self) -> bool:
-        return self.model == INITIAL
-
-
-@dataclass(frozen=True)
-class PPOSection:
-    """Several optimizer updates per step of rollouts (PPO's epochs over mini-batches).
-
-    Each step's old log-probs are computed once, before its first update, with the weights of
-    that moment (``old_logprobs = "policy"``; not for ``sft``, which reads none), or read from the
-    file (``"rollout"``: the sampler's); then ``epochs`` passes, each over ``mini_batches``
-    mini-batches of whole groups, shuffled by (``shuffle_seed``, the step, the epoch); every
-    mini-batch is one optimizer update with its own normalisers.
-    """
-
-    epochs: int = 1
-    mini_batches: int = 1
-    shuffle_seed: int | None = None  # None: the top-level seed
-    old_logprobs: str = "policy"
-
-    def __post_init__(self):
-        positive_int("ppo.epochs", self.epochs)
-        positive_int("ppo.mini_batches", self.mini_batches)
-        one_of("ppo.old_logprobs", self.old_logprobs, ("policy", "rollout"))
-
-    @property
-    def updates(self) -> int:
-        """Optimizer updates per step of rollouts."""
-        return self.epochs * self.mini_batches
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """A whole run. ``steps`` or ``epochs`` (default: one epoch) sets its length."""
 
@@ -474,92 +386,6 @@ SECTIONS: dict[str, type] = {
     "reference": ReferenceSection, "ppo": PPOSection, "lora": LoRASection, "eval": EvalSection,
     "samples": SamplesSection, "critic": CriticSection,
 }  # fmt: skip
-_NOT_KEYS = {"source", "text", "table"}
-_PATH_KEYS = {("model", "path"), ("data", "path"), ("data", "tokenizer"), ("", "out"), ("eval", "file"),
-              ("samples", "prompts"), ("samples", "tokenizer")}  # fmt: skip
-
-
-def _describe(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-#: what a value of each scalar type is called in an error
-_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a string"}
-
-
-def _convert(key: str, value, hint):
-    """``value`` as ``hint`` (TOML has no null, so ``X | None`` takes an X; ``X | Y`` takes the first
-    of them the value is); errors name ``key``."""
-    if get_origin(hint) is Union or type(hint).__name__ == "UnionType":
-        options = [a for a in get_args(hint) if a is not type(None)]
-        if len(options) > 1:
-            for option in options:
-                try:
-                    return _convert(key, value, option)
-                except ValueError:
-                    pass
-            expected = " or ".join(_EXPECTED[o] for o in options)
-            raise ValueError(f"{key}: expected {expected}, got {_describe(value)}")
-        hint = options[0]
-    origin = get_origin(hint) or hint
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: expected true or false, got {_describe(value)}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}: expected an integer, got {_describe(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError(f"{key}: expected a number, got {_describe(value)}")
-        return float(value)
-    if hint is str or hint is Path:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a string, got {_describe(value)}")
-        return Path(value) if hint is Path else value
-    if origin is tuple and get_args(hint)[-1] is Ellipsis:  # a list of any length
-        if not isinstance(value, list):
-            raise ValueError(f"{key}: expected a list, got {_describe(value)}")
-        return tuple(_convert(f"{key}[{i}]", v, get_args(hint)[0]) for i, v in enumerate(value))
-    if origin is tuple:
-        items = get_args(hint)
-        if not isinstance(value, list) or len(value) != len(items):
-            raise ValueError(f"{key}: expected a list of {len(items)} numbers, got {_describe(value)}")
-        return tuple(_convert(f"{key}[{i}]", v, h) for i, (v, h) in enumerate(zip(value, items, strict=True)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a table, got {_describe(value)}")
-        return dict(value)
-    raise TypeError(f"{key}: no converter for {hint}")  # pragma: no cover - a field type without one
-
-
-def build_section(cls, table: dict, section: str, base: Path):
-    """``cls`` from one TOML table: unknown keys refused (listing the valid ones), types checked."""
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)
-             if f.name not in _NOT_KEYS and (section or f.name not in SECTIONS)]  # fmt: skip
-    where = f"[{section}]" if section else "the top level"
-    kwargs = {}
-    for key, value in table.items():
-        dotted = f"{section}.{key}" if section else key
-        if key not in names:
-            if not section and isinstance(value, dict):
-                raise ValueError(f"unknown section [{key}]; valid sections: {', '.join(SECTIONS)}")
-            raise ValueError(f"{dotted}: unknown key in {where}; valid keys: {', '.join(names)}")
-        value = _convert(dotted, value, hints[key])
-        if (section, key) in _PATH_KEYS:
-            value = (base / value.expanduser()).resolve()
-        elif (section, key) == ("reference", "model") and value != INITIAL:  # a directory, or "initial"
-            value = str((base / Path(value).expanduser()).resolve())
-        elif (section, key) == ("critic", "model") and value not in (FROM_POLICY, ""):  # or "policy"
-            value = str((base / Path(value).expanduser()).resolve())
-        kwargs[key] = value
-    missing = [f.name for f in dataclasses.fields(cls) if f.name in names and f.name not in kwargs
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
-    if missing:
-        raise ValueError(f"{section + '.' if section else ''}{missing[0]}: required key missing in {where}")
-    return cls(**kwargs)
 
 
 def parse_config(table: dict, base: Path, source: Path | None = None, text: str = "") -> TrainConfig:
@@ -570,12 +396,12 @@ def parse_config(table: dict, base: Path, source: Path | None = None, text: str 
         if name not in table:
             continue
         if not isinstance(table[name], dict):
-            raise ValueError(f"{name}: expected a [{name}] section, got {_describe(table[name])}")
+            raise ValueError(f"{name}: expected a [{name}] section, got {describe(table[name])}")
         sections[name] = build_section(cls, table[name], name, base)
     for name in ("model", "data"):
         if name not in sections:
             raise ValueError(f"[{name}]: required section missing")
-    scalars = build_section(_TopLevel, top, "", base)
+    scalars = build_section(_TopLevel, top, "", base, SECTIONS)
     return TrainConfig(**sections, **dataclasses.asdict(scalars), source=source, text=text, table=table)
 
 
@@ -613,30 +439,14 @@ def check_paths(config: TrainConfig) -> None:
     if ref is not None and not ref.initial and not (Path(ref.model) / "config.json").is_file():
         raise FileNotFoundError(
             f"reference.model: {ref.model}: not a local Hugging Face model directory (no config.json); "
-            f"give one, or \"{INITIAL}\" for the run's starting weights"
+            f'give one, or "{INITIAL}" for the run\'s starting weights'
         )
     critic = config.critic
     if critic is not None and not critic.from_policy and not (Path(critic.model) / "config.json").is_file():
         raise FileNotFoundError(
             f"critic.model: {critic.model}: not a local Hugging Face model directory (no config.json); "
-            f"give one, or \"{FROM_POLICY}\" for the policy's starting weights under a fresh value head"
+            f'give one, or "{FROM_POLICY}" for the policy\'s starting weights under a fresh value head'
         )
-
-
-def read_toml_config(path: str | Path, parse):
-    """``parse(table, base, source=, text=)`` of the TOML file ``path`` (relative paths in it are
-    relative to its folder); every error names the file."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such config file") from None
-    try:
-        return parse(tomllib.loads(text), path.parent.resolve(), source=path.resolve(), text=text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML ({exc})") from None
-    except (ValueError, FileNotFoundError) as exc:
-        raise type(exc)(f"{path}: {exc}") from None
 
 
 def load_config(path: str | Path) -> TrainConfig:

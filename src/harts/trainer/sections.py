@@ -1,9 +1,10 @@
-"""The config sections of what a run does besides training the policy: ``[lora]``, ``[eval]``,
-``[samples]``, ``[critic]``.
+"""The config sections only ``harts train`` has: ``[moe]``, ``[distributed]``, ``[reference]``,
+``[ppo]``, ``[lora]``, ``[eval]``, ``[samples]``, ``[critic]``.
 
-They live apart from :mod:`harts.trainer.config` (which reads them with the rest, key by key) to
-keep that module small; the shared value checks (``one_of``, ``positive_int``) live here too.
-Every key, its default and meaning: ``docs/training.md``.
+:mod:`harts.trainer.config` holds the sections ``harts rl`` reads too (``[model]``,
+``[objective]``, ``[run]``, ...) and the whole run's :class:`~harts.trainer.config.TrainConfig`,
+which reads these with the rest, key by key; the shared value checks (``one_of``,
+``positive_int``) live here. Every key, its default and meaning: ``docs/training.md``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from harts.objectives.losses import Aggregation
+from harts.trainer.toml_sections import path_or
 
-__all__ = ["LoRASection", "EvalSection", "SamplesSection", "CriticSection", "one_of", "positive_int",
-           "ALL_LINEAR", "DTYPES", "FROM_POLICY", "CRITIC_AGGREGATIONS"]  # fmt: skip
+__all__ = ["MoESection", "DistributedSection", "ReferenceSection", "PPOSection", "LoRASection", "EvalSection",
+           "SamplesSection", "CriticSection", "one_of", "positive_int", "ALL_LINEAR", "DTYPES", "INITIAL",
+           "FROM_POLICY", "CRITIC_AGGREGATIONS"]  # fmt: skip
 
 #: ``lora.target_modules`` for every linear layer but the output head (peft's own shorthand)
 ALL_LINEAR = "all-linear"
 #: the dtypes a model (policy, reference, critic) may run in
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: ``reference.model`` for the run's starting weights
+INITIAL = "initial"
 #: ``critic.model`` for the policy's starting weights under a fresh value head
 FROM_POLICY = "policy"
 #: the value loss's aggregations (Dr. GRPO's constant normaliser has no meaning for a critic)
@@ -37,6 +42,84 @@ def positive_int(key: str, value, allow_zero: bool = False) -> None:
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise ValueError(f"{key}: expected {'a non-negative' if allow_zero else 'a positive'} integer, "
                          f"got {value}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoESection:
+    """MoE statistics and balancing (``harts.MoEConfig``); MoE families only."""
+
+    enabled: bool = False
+    aux_loss_coef: float | None = None  # None: the model config's, for aux-loss families
+    bias_update_speed: float = 0.0  # bias-balanced families: score-correction bias step after each update
+
+    def __post_init__(self):
+        if (self.aux_loss_coef is not None or self.bias_update_speed) and not self.enabled:
+            raise ValueError("moe: set moe.enabled = true to use aux_loss_coef or bias_update_speed")
+        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
+            raise ValueError(f"moe.aux_loss_coef: expected >= 0, got {self.aux_loss_coef}")
+        if not self.bias_update_speed >= 0:
+            raise ValueError(f"moe.bias_update_speed: expected >= 0, got {self.bias_update_speed}")
+
+
+@dataclass(frozen=True)
+class DistributedSection:
+    """Used when torchrun starts several processes (``WORLD_SIZE`` > 1); ignored on one."""
+
+    strategy: str = "ddp"  # ddp: every rank holds the model; fsdp: FSDP2 shards it (fully_shard)
+    balance: str = "cost"  # trees to ranks by a FLOP model ("cost") or by unique tokens ("tokens")
+    timeout_s: float = 600.0  # a collective that waits longer (a dead or hung rank) fails
+
+    def __post_init__(self):
+        one_of("distributed.strategy", self.strategy, ["ddp", "fsdp"])
+        one_of("distributed.balance", self.balance, ["cost", "tokens"])
+        if not self.timeout_s > 0:
+            raise ValueError(f"distributed.timeout_s: expected > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class ReferenceSection:
+    """The KL term's reference policy, run by the trainer: ``model`` is ``"initial"`` (the run's
+    starting weights, a frozen copy) or a local Hugging Face directory. It runs in eval mode
+    without autograd; ``dtype`` / ``device`` default to the policy's (``[model]``)."""
+
+    model: str = path_or(INITIAL)  # a directory, resolved against the file's, or "initial"
+    dtype: str | None = None
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.dtype is not None:
+            one_of("reference.dtype", self.dtype, DTYPES)
+
+    @property
+    def initial(self) -> bool:
+        return self.model == INITIAL
+
+
+@dataclass(frozen=True)
+class PPOSection:
+    """Several optimizer updates per step of rollouts (PPO's epochs over mini-batches).
+
+    Each step's old log-probs are computed once, before its first update, with the weights of
+    that moment (``old_logprobs = "policy"``; not for ``sft``, which reads none), or read from the
+    file (``"rollout"``: the sampler's); then ``epochs`` passes, each over ``mini_batches``
+    mini-batches of whole groups, shuffled by (``shuffle_seed``, the step, the epoch); every
+    mini-batch is one optimizer update with its own normalisers.
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+    shuffle_seed: int | None = None  # None: the top-level seed
+    old_logprobs: str = "policy"
+
+    def __post_init__(self):
+        positive_int("ppo.epochs", self.epochs)
+        positive_int("ppo.mini_batches", self.mini_batches)
+        one_of("ppo.old_logprobs", self.old_logprobs, ("policy", "rollout"))
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per step of rollouts."""
+        return self.epochs * self.mini_batches
 
 
 @dataclass(frozen=True)
@@ -121,7 +204,7 @@ class CriticSection:
     ``budget_tokens`` unique tokens per micro-batch (absent: ``run.budget_tokens``).
     """
 
-    model: str
+    model: str = path_or(FROM_POLICY, "")  # a directory, resolved against the file's, or "policy"
     dtype: str | None = None  # None: the policy's
     device: str | None = None  # None: the policy's
     seed: int | None = None  # the fresh head's initialisation; None: the top-level seed
