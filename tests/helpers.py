@@ -315,7 +315,8 @@ def root_of(forest, node: int) -> int:
 
 
 # ---- tree attention: test_tree_attention, test_tree_attention_window_sinks ---------------------
-TREE_ATTENTION = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
+FLASH = importlib.import_module("harts.ops.tree_attention.flash")  # holds the fused switch
+GATHER = importlib.import_module("harts.ops.tree_attention.gather")  # holds the padding-mask bound
 ATTENTION_SCALE = 0.35
 
 
@@ -363,11 +364,11 @@ def plan_args(forest, cut):
 @contextlib.contextmanager
 def fused_kernels(on: bool):
     """CPU flash attention's fused kernels (True) or the recompute path of other devices (False)."""
-    old, TREE_ATTENTION._FUSED_CPU = TREE_ATTENTION._FUSED_CPU, on
+    old, FLASH._FUSED_CPU = FLASH._FUSED_CPU, on
     try:
         yield
     finally:
-        TREE_ATTENTION._FUSED_CPU = old
+        FLASH._FUSED_CPU = old
 
 
 PLAN_ATTENTION = importlib.import_module("harts.plan.attention")
@@ -405,12 +406,12 @@ def dense_plans(kind: str):
 def padding_by(kind: str | int):
     """Key padding removed by per-block masks within the default bound ("mask"), always by the
     padding channel ("channel"), or by masks within a bound of that many elements (an int)."""
-    old = TREE_ATTENTION._MASKED_PADDING_ELEMENTS
-    TREE_ATTENTION._MASKED_PADDING_ELEMENTS = {"mask": old, "channel": 0}.get(kind, kind)
+    old = GATHER._MASKED_PADDING_ELEMENTS
+    GATHER._MASKED_PADDING_ELEMENTS = {"mask": old, "channel": 0}.get(kind, kind)
     try:
         yield
     finally:
-        TREE_ATTENTION._MASKED_PADDING_ELEMENTS = old
+        GATHER._MASKED_PADDING_ELEMENTS = old
 
 
 # ---- chat template, conversation and a local tokenizer: test_chat_rollouts, test_train_run -----

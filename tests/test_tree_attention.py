@@ -34,7 +34,9 @@ from tests.helpers import (
     token_run,
 )
 
-TA = importlib.import_module("harts.ops.tree_attention")  # the module, not the function
+GATHER = importlib.import_module("harts.ops.tree_attention.gather")
+GROUPED = importlib.import_module("harts.ops.tree_attention.grouped")
+DENSE = importlib.import_module("harts.ops.tree_attention.dense")
 PLAN_ATTENTION = importlib.import_module("harts.plan.attention")
 ATOL_OUT = 1e-10
 ATOL_GRAD = 1e-10
@@ -258,7 +260,7 @@ def test_padded_groups_take_masks_within_the_bound_and_the_channel_beyond(fused)
     with padding_by(sizes[0]):
         checked = _check(ATTENTION_FORESTS["deep-binary-D5-S3"], cut=2, heads=(4, 2), dk=8, dv=8, budget=2048,
                          dtype=torch.float32, tol=(2e-5, 2e-5), fused=fused, prefixes="off")
-        chosen = TA._masked_groups(checked, r, None)
+        chosen = GATHER._masked_groups(checked, r, None)
     padded = [i for i, g in enumerate(checked.groups) if g.pad_keys]
     assert chosen == {padded[0]}, (chosen, padded)
 
@@ -279,8 +281,8 @@ def test_tree_attention_half_precision(dtype, tol, fused, padding):
 def test_backward_kernel_choice(fused, monkeypatch):
     """On CPU the fused flash backward serves every group with several keys, unless switched off."""
     calls = []
-    kernel = TA._flash_backward
-    monkeypatch.setattr(TA, "_flash_backward", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = GROUPED.flash_backward
+    monkeypatch.setattr(GROUPED, "flash_backward", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     plan = _check(ATTENTION_FORESTS["one-token-nodes-D4"], cut=1, fused=fused, prefixes="off")
     assert len(calls) == (sum(g.lk > 1 for g in plan.groups) if fused else 0) and (not fused or calls)
 
@@ -492,12 +494,12 @@ def test_dense_plan_runs_groups_where_values_repeat(equal, monkeypatch):
     v = c.expand(2, n, 8).clone() if equal == "all" else torch.randn(2, n, 8)
     with dense_plans("on"):
         assert plan.dense_for(4, 8)
-    assert TA._dense_applies(q, v, plan) == (equal == "starts")  # random values: the dense call
+    assert DENSE.dense_applies(q, v, plan) == (equal == "starts")  # random values: the dense call
     v[:, 1] = v[:, 0]  # the shared prompt's first two tokens
-    assert not TA._dense_applies(q, v, plan)
+    assert not DENSE.dense_applies(q, v, plan)
     v.requires_grad_()
     dense_calls = []
-    monkeypatch.setattr(TA._DenseTreeAttention, "apply", lambda *a: dense_calls.append(1))
+    monkeypatch.setattr(DENSE._DenseTreeAttention, "apply", lambda *a: dense_calls.append(1))
     with dense_plans("on"):
         out = tree_attention(q, k, v, plan, ATTENTION_SCALE)
     dq, dk = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k))
