@@ -372,19 +372,20 @@ def fused_kernels(on: bool):
 
 
 PLAN_ATTENTION = importlib.import_module("harts.plan.attention")
+PLAN_PREFIXES = importlib.import_module("harts.plan.attention_prefixes")
 
 
 @contextlib.contextmanager
 def shared_prefixes(kind: str):
     """Tree-attention plans with shared-prefix calls where the defaults choose them ("default"),
     for every run of ancestor keys that some block reads ("all"), or never ("off")."""
-    old = PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED
-    PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED = {
+    old = PLAN_PREFIXES._MIN_PREFIX_KEYS, PLAN_PREFIXES._MIN_PREFIX_SAVED
+    PLAN_PREFIXES._MIN_PREFIX_KEYS, PLAN_PREFIXES._MIN_PREFIX_SAVED = {
         "default": old, "all": (1, 0), "off": (1, 1 << 62)}[kind]
     try:
         yield
     finally:
-        PLAN_ATTENTION._MIN_PREFIX_KEYS, PLAN_ATTENTION._MIN_PREFIX_SAVED = old
+        PLAN_PREFIXES._MIN_PREFIX_KEYS, PLAN_PREFIXES._MIN_PREFIX_SAVED = old
 
 
 _DENSE_DEFAULT = PLAN_ATTENTION._DENSE_CALL_WORK

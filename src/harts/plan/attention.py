@@ -1,8 +1,9 @@
 """Grouped tree-attention plans: which query blocks attend to which gathered keys, in which call.
 
 Each node's queries, split into query blocks, attend to [ancestor keys ; own keys], gathered by
-index; blocks of similar shape are padded into a few batched SDPA calls. Cost is about the exact
-cost, the sum of path positions, plus bounded waste (causal triangles of the blocks and padding).
+index; blocks of similar shape are padded into a few batched SDPA calls (how blocks are cut and
+grouped: :mod:`harts.plan.attention_blocks`). Cost is about the exact cost, the sum of path
+positions, plus bounded waste (causal triangles of the blocks and padding).
 The key space may be larger than the query space (keys of ancestors computed in an earlier
 micro-batch). :func:`plan_reference_mask` is the plain dense mask of the same visibility, used by
 the tests. The op that runs a plan is :func:`harts.ops.tree_attention.tree_attention`.
@@ -14,13 +15,9 @@ its path position; a windowed plan (:meth:`TreeAttentionPlan.windowed`) gathers 
 W - 1 + b keys of a block of b queries, and the block's rule becomes a bottom-right band of width
 W, the same for every block of a group because keys and queries are right-aligned.
 
-Shared prefixes: on a forest with a long shared prompt, every block below it would gather the
-prompt's keys again (on the agentic bench forest, 26K gathered key rows for 2.5K tokens), and a
-part cut below a long context would gather and mask thousands of context keys. The plan instead
-makes a long run of ancestor keys a call of its own (a :class:`SharedPrefix`: all the queries
-below it against its keys, contiguous rows, no mask), and the blocks gather only the rest of their
-paths; the op merges the calls by their logsumexp
-(:mod:`harts.ops.tree_attention`). :meth:`TreeAttentionPlan.whole` is the plan without them, for
+Shared prefixes (:mod:`harts.plan.attention_prefixes`): long runs of ancestor keys, a shared prompt
+or the context above a cut part, run as calls of their own (a :class:`SharedPrefix`), and the blocks
+gather only the rest of their paths. :meth:`TreeAttentionPlan.whole` is the plan without them, for
 the op's paths that cannot merge. A windowed plan has none.
 
 Dense plans: on a small micro-batch the groups' fixed costs (a gather of queries, keys and values
@@ -44,52 +41,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.forest import concat_ranges
+from harts.plan.attention_blocks import AttentionGroup, fill_groups, group_blocks, query_blocks
+from harts.plan.attention_prefixes import SharedPrefix, shared_prefixes
 
 __all__ = ["AttentionGroup", "SharedPrefix", "TreeAttentionPlan", "plan_tree_attention",
            "plan_reference_mask"]
 
-# Query blocks: a block's own causal triangle is wasted work, about b / (2 (a + s + b)) of it for a
-# block of b queries at offset s below a ancestor keys; b <= (a + s) / 4 keeps that under 1/10.
-_MIN_QUERY_BLOCK = 128
-_BLOCK_DIV = 4
-# Grouping: the padding a block adds to its group may reach this fraction of its own work plus a
-# fixed allowance (score elements, about the cost of one more call), so small blocks share calls.
-_PAD_SLACK = 0.2
-_CALL_ALLOWANCE = 2048
-# Short query blocks are counted as this many rows in the budget, which also bounds gathered keys.
-_MIN_BUDGET_ROWS = 64
 _DEFAULT_GROUP_TOKENS = 1 << 24
-# Shared prefixes (module docstring): a run of ancestor keys becomes a call of its own when it is at
-# least this long and the key rows its call keeps from being gathered (one gather per query block,
-# forward and backward, one scatter-add of key and value gradients, and mask columns) reach this count.
-_MIN_PREFIX_KEYS = 32
-_MIN_PREFIX_SAVED = 2048
 # Dense plans (module docstring): n * m score elements against the groups' padded cost plus, per call
 # (groups and prefixes), this many score elements times query heads times channels (45,000 at 4 x 32);
 # at most this many [n, m] elements (the mask holds r times as many).
 _DENSE_CALL_WORK = 45_000 * 4 * 32
 _DENSE_MAX_ELEMENTS = 1 << 21
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """One SDPA call: ``size`` (G) query blocks padded to Lq queries and Lk keys."""
-
-    size: int
-    lq: int
-    lk: int
-    pad_keys: bool  # some block has fewer than Lk keys: the call needs the padding channel
-
-
-@dataclass(frozen=True)
-class SharedPrefix:
-    """One call over keys ``[k0, k1)`` for queries ``[q0, q1)``, every one of which sees all of them."""
-
-    k0: int
-    k1: int
-    q0: int
-    q1: int
 
 
 @dataclass(eq=False)
@@ -283,25 +246,6 @@ def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_ke
     return qs, ln, ks, anc
 
 
-def _query_blocks(a: int, length: int, budget: int, window: int | None = None) -> list[tuple[int, int]]:
-    """(start, size) of one node's query blocks, given ``a`` ancestor keys and a score budget."""
-    blocks, s = [], 0
-    while s < length:
-        # keys before the block's first query: its path so far, or the window's W - 1
-        before = a + s if window is None else min(a + s, window - 1)
-        b = max(_MIN_QUERY_BLOCK, before // _BLOCK_DIV)
-        if window is not None:  # a block's keys are W - 1 + b for W * b visible pairs: b <= W / 4
-            b = min(b, max(1, window // _BLOCK_DIV))
-        # Largest b with b * (before + b) <= budget: the block alone must fit one call.
-        fit = int((-before + (before ** 2 + 4 * budget) ** 0.5) / 2)
-        b = max(1, min(b, fit, length - s))
-        if 0 < length - s - b <= b // 4 and (length - s) * (before + length - s) <= budget:
-            b = length - s  # fold a short tail into this block rather than start another call
-        blocks.append((s, b))
-        s += b
-    return blocks
-
-
 def plan_tree_attention(
     node_query_start: torch.Tensor,
     node_length: torch.Tensor,
@@ -334,76 +278,6 @@ def plan_tree_attention(
     return _plan(qs, ln, ks, anc, num_queries, num_keys, torch.device(device or "cpu"), budget, window)
 
 
-def _key_runs(anc: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The runs of consecutive key rows in every node's ancestor list, in node order: first row,
-    last row + 1, and node of each run (one pass over the concatenated lists)."""
-    sizes = np.fromiter((a.size for a in anc), dtype=np.int64, count=len(anc))
-    if not sizes.sum():
-        return (np.zeros(0, dtype=np.int64),) * 3
-    rows = np.concatenate(anc)
-    node = np.repeat(np.arange(len(anc)), sizes)
-    first = np.ones(rows.size, dtype=bool)  # a run starts at a node's first key or where rows jump
-    first[1:] = (np.diff(rows) != 1) | (node[1:] != node[:-1])
-    starts = np.flatnonzero(first)
-    lasts = np.append(starts[1:], rows.size) - 1
-    return rows[starts], rows[lasts] + 1, node[starts]
-
-
-def _shared_prefixes(qs, ln, anc, budget: int) -> tuple[list[SharedPrefix], list[np.ndarray]]:
-    """The shared-prefix calls worth making, and each node's ancestor keys without their keys.
-
-    Ancestor key lists are cut into pieces at every place where some list's run of consecutive rows
-    starts or ends; a piece is then read by every node whose path holds it, whole. Adjacent pieces
-    read by the same nodes join. A piece becomes calls (one per contiguous range of its readers'
-    query rows) when it holds at least :data:`_MIN_PREFIX_KEYS` keys and the gathered key rows it
-    saves, its keys times the query blocks reading it, reach :data:`_MIN_PREFIX_SAVED` (a call reads
-    its keys in place, and its scores need no mask).
-    """
-    lo, hi, run_node = _key_runs(anc)
-    if not lo.size:
-        return [], anc
-    edges = np.unique(np.concatenate([lo, hi]))
-    # Each run covers the edge intervals first .. last - 1; list (interval, node) for every cover.
-    first, last = np.searchsorted(edges, lo), np.searchsorted(edges, hi)
-    count = last - first
-    interval = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
-    reader = np.repeat(run_node, count)
-    order = np.lexsort((reader, interval))  # by interval, readers ascending (a node covers it once)
-    interval, reader = interval[order], reader[order].tolist()
-    bounds = [0, *(np.flatnonzero(np.diff(interval)) + 1).tolist(), interval.size]  # one span per interval
-    pieces: list[list] = []  # [first key, last key + 1, readers], adjacent intervals of equal readers joined
-    for i, j in zip(bounds[:-1], bounds[1:], strict=False):
-        a, b, nodes = int(edges[interval[i]]), int(edges[interval[i] + 1]), reader[i:j]
-        if pieces and pieces[-1][1] == a and pieces[-1][2] == nodes:
-            pieces[-1][1] = b
-        else:
-            pieces.append([a, b, nodes])
-    prefixes, split = [], np.zeros(int(edges[-1]), dtype=bool)
-    node_blocks: dict[int, int] = {}  # query blocks per node, counted once for the nodes that matter
-
-    def blocks(m: int) -> int:
-        if m not in node_blocks:
-            node_blocks[m] = len(_query_blocks(anc[m].size, int(ln[m]), budget))
-        return node_blocks[m]
-
-    for a, b, nodes in pieces:
-        if b - a < _MIN_PREFIX_KEYS:
-            continue
-        spans: list[list[int]] = []
-        for q0, q1 in sorted((int(qs[m]), int(qs[m] + ln[m])) for m in nodes):
-            if spans and spans[-1][1] == q0:
-                spans[-1][1] = q1
-            else:
-                spans.append([q0, q1])
-        if (b - a) * sum(blocks(m) for m in nodes) < _MIN_PREFIX_SAVED:
-            continue
-        split[a:b] = True
-        prefixes.extend(SharedPrefix(a, b, q0, q1) for q0, q1 in spans)
-    if not prefixes:
-        return [], anc
-    return prefixes, [a[~split[a]] for a in anc]
-
-
 def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int, window: int | None,
           split: bool = True):
     """:func:`plan_tree_attention` on checked host arrays; ``split``: with shared prefixes (never
@@ -412,45 +286,20 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     if window is not None and window >= max_path:
         window = None  # the window covers every path: plain attention
     full = anc
-    prefixes, anc = _shared_prefixes(qs, ln, anc, budget) if split and window is None else ([], anc)
+    prefixes, anc = shared_prefixes(qs, ln, anc, budget) if split and window is None else ([], anc)
     # Blocks: (node, own offset s, queries b, first key column k0); keys are the path's columns
     # k0 .. a + s + b - 1 (ancestors and own keys up to the block's end; with a window, from the
     # first one the block's first query sees).
     blocks = [(m, s, b, 0 if window is None else max(0, anc[m].size + s - window + 1))
-              for m in range(qs.size) for s, b in _query_blocks(anc[m].size, int(ln[m]), budget, window)]
+              for m in range(qs.size) for s, b in query_blocks(anc[m].size, int(ln[m]), budget, window)]
     lq = np.array([b for _, _, b, _ in blocks], dtype=np.int64)
     lk = np.array([anc[m].size + s + b - k0 for m, s, b, k0 in blocks], dtype=np.int64)
     # Queries with one key get groups of their own (tree_attention runs them exactly), apart from
     # those that shared prefixes also reach (their partial results merge): kind 0, 1 and 2.
     reached = np.array([anc[m].size < full[m].size for m, _, _, _ in blocks], dtype=bool)
     kind = np.where(lk == 1, np.where(reached, 2, 1), 0)
-    # Similar shapes next to each other: query-size class (powers of two), then keys descending.
-    order = np.lexsort((kind, -lq, -lk, -np.ceil(np.log2(np.maximum(lq, 1)))))
-    # Greedy: a block joins the open group while the padding it adds, and the group's padding in
-    # all, stay within a fraction of the work plus a fixed allowance (about one call's overhead).
-    # Large blocks thus get calls of their own, which costs little.
-    spans, start, g_lq, g_lk, g_exact = [], 0, 0, 0, 0
-    g_kind = kind[order[0]] if order.size else 0
-    for pos, j in enumerate(order):
-        size, n_lq, n_lk, e = pos - start, max(g_lq, lq[j]), max(g_lk, lk[j]), lq[j] * lk[j]
-        padded = (size + 1) * n_lq * n_lk
-        added = padded - size * g_lq * g_lk - e > _CALL_ALLOWANCE + _PAD_SLACK * e
-        total = padded - g_exact - e > _CALL_ALLOWANCE + _PAD_SLACK * (g_exact + e)
-        over = (size + 1) * max(n_lq, _MIN_BUDGET_ROWS) * n_lk > budget
-        if size and (over or added or total or kind[j] != g_kind):
-            spans.append((start, pos, g_lq, g_lk))
-            start, n_lq, n_lk, g_exact, g_kind = pos, lq[j], lk[j], 0, kind[j]
-        g_lq, g_lk, g_exact = n_lq, n_lk, g_exact + e
-    if order.size:
-        spans.append((start, order.size, g_lq, g_lk))
-    # Groups without key padding first: they skip the padding channel (+1 head width costs CPU
-    # flash attention more than its share, about 15% at 32 channels), and a tensor's gathers
-    # stay one contiguous index range per kind.
-    spans.sort(key=lambda sp: bool((lk[order[sp[0]:sp[1]]] < sp[3]).any()))
-
-    groups = [AttentionGroup(g1 - g0, int(g_lq), int(g_lk), bool((lk[order[g0:g1]] < g_lk).any()))
-              for g0, g1, g_lq, g_lk in spans]  # fmt: skip
-    q_all, k_all, row_base, row_stride, row_offset = _fill_groups(
+    order, spans, groups = group_blocks(lq, lk, kind, budget)
+    q_all, k_all, row_base, row_stride, row_offset = fill_groups(
         spans, order, np.asarray(blocks, dtype=np.int64).reshape(-1, 4), qs, ks, anc, num_queries, num_keys)
     padded = sum(g.size * g.lq * g.lk for g in groups)
     padded += sum((p.q1 - p.q0) * (p.k1 - p.k0) for p in prefixes)
@@ -464,44 +313,6 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
                              for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded,
                              window, max_path, tuple(prefixes), ((qs, ln, ks, full), budget, not split))
-
-
-def _fill_groups(spans, order, blocks, qs, ks, anc, num_queries: int, num_keys: int):
-    """The groups' flat query and key index tensors and each query's row in them, for all blocks
-    at once. Group g is [size, lq] queries and [size, lk] keys, each block right-aligned in its
-    slot (query padding 0, key padding ``num_keys``); a block's keys are its path's columns from
-    k0: its ancestors' keys, then its own node's up to the block's end."""
-    g_size = np.array([g1 - g0 for g0, g1, _, _ in spans], dtype=np.int64)
-    g_lq = np.array([x for _, _, x, _ in spans], dtype=np.int64)
-    g_lk = np.array([x for _, _, _, x in spans], dtype=np.int64)
-    q_base, k_base = np.cumsum(g_size * g_lq) - g_size * g_lq, np.cumsum(g_size * g_lk) - g_size * g_lk
-    seq = np.concatenate([order[g0:g1] for g0, g1, _, _ in spans]) if spans else np.zeros(0, dtype=np.int64)
-    group = np.repeat(np.arange(len(spans)), g_size)
-    slot = np.arange(seq.size) - np.repeat(np.cumsum(g_size) - g_size, g_size)
-    m, s, b, k0 = (blocks[seq, i] for i in range(4))
-    lq, lk = g_lq[group], g_lk[group]
-    # queries: rows qs[m] + s + i, at slot * lq + lq - b + i of their group
-    i = concat_ranges(np.zeros_like(b), b)
-    rows = np.repeat(qs[m] + s, b) + i
-    q_all = np.zeros(int((g_size * g_lq).sum()), dtype=np.int64)
-    slot_row = q_base[group] + slot * lq
-    q_all[np.repeat(slot_row + lq - b, b) + i] = rows
-    row_base, row_stride, row_offset = (np.zeros(num_queries, dtype=np.int64) for _ in range(3))
-    row_base[rows] = np.repeat(slot_row, b)
-    row_stride[rows] = np.repeat(lq, b)
-    row_offset[rows] = np.repeat(lq - b, b) + i
-    # keys: path columns k0 .. a + s + b - 1 (a ancestors), at slot * lk + lk - width + t of their group
-    sizes = np.fromiter((x.size for x in anc), dtype=np.int64, count=len(anc))
-    a = sizes[m]
-    width = a + s + b - k0
-    t = concat_ranges(np.zeros_like(width), width)
-    col, a_t, m_t = np.repeat(k0, width) + t, np.repeat(a, width), np.repeat(m, width)
-    anc_all = np.concatenate([*anc, np.zeros(1, dtype=np.int64)])  # a spare entry keeps every index in range
-    from_anc = anc_all[np.minimum((np.cumsum(sizes) - sizes)[m_t] + col, anc_all.size - 1)]
-    keys = np.where(col < a_t, from_anc, ks[m_t] + col - a_t)
-    k_all = np.full(int((g_size * g_lk).sum()), num_keys, dtype=np.int64)
-    k_all[np.repeat(k_base[group] + slot * lk + lk - width, width) + t] = keys
-    return q_all, k_all, row_base, row_stride, row_offset
 
 
 def plan_reference_mask(
