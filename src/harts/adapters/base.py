@@ -57,11 +57,9 @@ class TreeOps(Protocol):
       each token attends to its path (with ``window``, to the last ``window`` tokens of it; with
       ``sinks`` [H], a per-head logit joins the softmax denominator);
     - ``conv(mixed [n, C], weight [C, K], bias)`` -> [n, C]: depthwise causal conv along paths;
-    - ``delta_rule(q, k, v, g, beta)`` -> [n, H, V]: gated delta rule with parent-to-child
-      state hand-off;
     - ``recurrence(rec, *inputs, scale=None)`` -> [n, H, V]: any recurrent layer described by a
-      :class:`~harts.ops.recurrence.Recurrence` (inputs [n, H, ...] in its order), with the same
-      hand-off (``delta_rule`` is this with :data:`~harts.ops.recurrence.DELTA_RULE`).
+      :class:`~harts.ops.recurrence.Recurrence` (inputs [n, H, ...] in its order; the gated delta
+      rule is :data:`~harts.ops.recurrence.DELTA_RULE`), with parent-to-child state hand-off.
     """
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
@@ -71,8 +69,6 @@ class TreeOps(Protocol):
     ) -> torch.Tensor: ...
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor: ...
-
-    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor: ...
 
     def recurrence(self, recurrence, *inputs, scale: float | None = None) -> torch.Tensor: ...
 

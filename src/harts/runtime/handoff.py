@@ -3,9 +3,9 @@
 - :class:`LayerHandoff`: per layer, what one micro-batch hands to the later ones that continue
   its paths (keys/values and conv inputs of tokens, final linear-attention states of nodes).
 - :class:`MixerContext`: the :class:`~harts.adapters.base.TreeOps` of one micro-batch. Mixers call
-  ``attend``, ``conv`` and ``recurrence`` (any layer of :mod:`harts.ops.recurrence`; ``delta_rule``
-  is the delta rule through it); the context runs the ops over the micro-batch's layout,
-  reads what earlier micro-batches handed over and collects what this one hands on.
+  ``attend``, ``conv`` and ``recurrence`` (any layer of :mod:`harts.ops.recurrence`); the context
+  runs the ops over the micro-batch's layout, reads what earlier micro-batches handed over and
+  collects what this one hands on.
 - :class:`HandoffBanks`: the hand-overs of every part run so far, gathered into the rows a later
   part reads.
 """
@@ -19,7 +19,7 @@ import torch
 
 from harts.ops.backends import current_backend
 from harts.ops.precision import attention_inputs
-from harts.ops.recurrence import DELTA_RULE, Recurrence
+from harts.ops.recurrence import Recurrence
 from harts.ops.short_conv import tree_short_conv
 from harts.ops.tree_recurrence import tree_recurrence
 from harts.plan.layout import TreeLayout
@@ -127,10 +127,6 @@ class MixerContext:
         if ext is not None and ext.conv_input is not None:
             mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
         return tree_short_conv(mixed, weight, predecessors, bias)
-
-    def delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
-        """Gated delta rule over the layout's linear plan with state handoff; returns [n, H, V]."""
-        return self.recurrence(DELTA_RULE, q, k, v, g, beta)
 
     def recurrence(self, recurrence: Recurrence, *inputs, scale: float | None = None) -> torch.Tensor:
         """``recurrence`` over the layout's linear plan, states handed from parent to child and
