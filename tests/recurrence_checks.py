@@ -2,6 +2,9 @@
 per-token reference of each trajectory alone (outputs, every node's final state, and the gradients
 of every input and of the roots' initial states under a random linear functional of both).
 
+The tests run it over :data:`harts.ops.recurrence.ALL_RECURRENCES` (:data:`RECURRENCES` here, with
+their names as test ids), building each recurrence's inputs by their names (:data:`INPUTS`).
+
 Bounds (fp32 against fp64): max abs 1e-5 on values, relative 1e-5 on gradients.
 """
 
@@ -10,12 +13,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harts.ops.recurrence import DELTA_RULE
+from harts.ops.recurrence import ALL_RECURRENCES
 from harts.ops.tree_recurrence import tree_recurrence
 from tests.helpers import path_tokens, root_of
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
+RECURRENCES = ALL_RECURRENCES
+RECURRENCE_IDS = [r.name for r in RECURRENCES]
+# A random input [n, H, ...] by its name: (gate, n, h, dk, dv, strength) -> tensor. q and k unit-norm,
+# v ~ N(0, 1), the log-decay g per key channel ("key") or per head ("head") in -U(0, strength),
+# beta ~ U(0, 1) per head.
+INPUTS = {
+    "q": lambda gate, n, h, dk, dv, strength: F.normalize(torch.randn(n, h, dk), dim=-1),
+    "k": lambda gate, n, h, dk, dv, strength: F.normalize(torch.randn(n, h, dk), dim=-1),
+    "v": lambda gate, n, h, dk, dv, strength: torch.randn(n, h, dv),
+    "g": lambda gate, n, h, dk, dv, strength: (
+        -torch.rand(n, h, dk) * strength if gate == "key" else -torch.rand(n, h) * strength
+    ),
+    "beta": lambda gate, n, h, dk, dv, strength: torch.rand(n, h),
+}
 
 
 def rel(a, b):
@@ -23,12 +40,16 @@ def rel(a, b):
 
 
 def recurrence_inputs(recurrence, gate: str, n, h, dk, dv, strength=2.0):
-    q = F.normalize(torch.randn(n, h, dk), dim=-1)
-    k = F.normalize(torch.randn(n, h, dk), dim=-1)
-    v = torch.randn(n, h, dv)
-    g = -torch.rand(n, h, dk) * strength if gate == "key" else -torch.rand(n, h) * strength
-    extra = (torch.rand(n, h),) if recurrence is DELTA_RULE else ()
-    return tuple(x.requires_grad_() for x in (q, k, v, g, *extra))
+    """``recurrence``'s inputs in its order, each drawn by :data:`INPUTS` and requiring grad."""
+    missing = [name for name in recurrence.inputs if name not in INPUTS]
+    if missing:
+        raise KeyError(f"{recurrence.name}: no random input for {missing}; add one to INPUTS")
+    return tuple(INPUTS[name](gate, n, h, dk, dv, strength).requires_grad_() for name in recurrence.inputs)
+
+
+def gates(recurrence) -> tuple[str, ...]:
+    """The gate layouts ``recurrence`` takes: per key channel, and per head where its g may be."""
+    return ("key", "head") if "g" in recurrence.per_head_inputs else ("key",)
 
 
 def check_against_reference(forest, plan, recurrence, gate, strength=2.0):

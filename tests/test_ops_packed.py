@@ -1,7 +1,7 @@
 """Packed chunks (chunks that hold the tokens of several nodes) against the fp64 per-token reference
 on every trajectory alone: outputs, every node's final state, and the gradients of every input and
-of the roots' initial states under a random linear functional of outputs and states, for the gated
-delta rule (a gate per key channel, and one per head) and gated linear attention. Tolerances as
+of the roots' initial states under a random linear functional of outputs and states, for every
+recurrence (a gate per key channel, and one per head where it takes one). Tolerances as
 tests/test_ops_recurrence.py (fp32 against fp64): max abs 1e-5 on values, relative 1e-5 on
 gradients.
 """
@@ -16,11 +16,10 @@ import torch
 
 import harts
 from harts.ops.chunked.packed import PackedChunks
-from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 from harts.plan.linear import plan_linear
 from harts.plan.packed_chunks import PackedChunkPlan, packed_chunk_plan
 from tests.helpers import PLAN_SHAPES
-from tests.recurrence_checks import check_against_reference
+from tests.recurrence_checks import RECURRENCES, check_against_reference, gates
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -44,12 +43,7 @@ FORESTS = {
     "star-P9-G5": PLAN_SHAPES["star-P9-G5"],
     "chunk-boundaries-T200": PLAN_SHAPES["chunk-boundaries-T200"],  # node edges on chunk edges
 }
-KINDS = {
-    "delta-per-key": (DELTA_RULE, "key"),
-    "delta-per-head": (DELTA_RULE, "head"),
-    "gla-per-key": (GATED_LINEAR_ATTENTION, "key"),
-    "gla-per-head": (GATED_LINEAR_ATTENTION, "head"),
-}
+KINDS = {f"{r.name}-per-{gate}": (r, gate) for r in RECURRENCES for gate in gates(r)}
 
 
 @pytest.mark.parametrize("chunk", [4, 16, 64])

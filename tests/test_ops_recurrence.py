@@ -15,19 +15,20 @@ import torch
 import torch.nn.functional as F
 
 import harts
+from harts.ops import recurrence as recurrence_module
 from harts.ops.backends import Backend, register_backend, use_backend
 from harts.ops.chunked import gate_per_key, head_gate
 from harts.ops.gated_linear_attention import (
     chunked_gated_linear_attention,
     naive_recurrent_gated_linear_attention,
 )
-from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
+from harts.ops.recurrence import ALL_RECURRENCES, DELTA_RULE, GATED_LINEAR_ATTENTION, Recurrence
 from harts.ops.tree_attention import tree_attention
 from harts.ops.tree_recurrence import tree_gated_delta_rule, tree_recurrence
 from harts.plan.chunk_tree import chunk_tree_plan
 from harts.plan.linear import plan_linear
 from tests.helpers import PLAN_SHAPES
-from tests.recurrence_checks import check_against_reference
+from tests.recurrence_checks import RECURRENCE_IDS, RECURRENCES, check_against_reference, recurrence_inputs
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -114,21 +115,25 @@ def test_gla_is_not_the_delta_rule_without_beta():
 
 # ---- the contract over a forest ------------------------------------------------------------------
 def _inputs_for(recurrence, n, h, dk, dv):
-    q = F.normalize(torch.randn(n, h, dk), dim=-1)
-    k = F.normalize(torch.randn(n, h, dk), dim=-1)
-    v = torch.randn(n, h, dv)
-    g = -torch.rand(n, h, dk) * 2
-    extra = (torch.rand(n, h),) if recurrence is DELTA_RULE else ()
-    return tuple(x.requires_grad_() for x in (q, k, v, g, *extra))
+    """Inputs of ``recurrence`` with a gate per key channel in -U(0, 2)."""
+    return recurrence_inputs(recurrence, "key", n, h, dk, dv)
 
 
+def test_every_recurrence_is_listed_once():
+    """ALL_RECURRENCES, which the contract's checks run over, holds every recurrence defined."""
+    defined = [x for x in vars(recurrence_module).values() if isinstance(x, Recurrence)]
+    assert {id(x) for x in defined} == {id(x) for x in ALL_RECURRENCES}
+    assert len({r.name for r in ALL_RECURRENCES}) == len(ALL_RECURRENCES)
+
+
+@pytest.mark.parametrize("recurrence", RECURRENCES, ids=RECURRENCE_IDS)
 @pytest.mark.parametrize("mode", ["depth", "chain", "tree", "tree-C8"])
 @pytest.mark.parametrize("name", ["caterpillar-D8", "short-parents-K4", "roots-3", "chunk-boundaries-T200"])
-def test_tree_gla_equals_each_trajectory_alone(name, mode):
+def test_tree_run_equals_each_trajectory_alone(name, mode, recurrence):
     torch.manual_seed(0)
     forest = harts.build_forest(PLAN_SHAPES[name])
     plan = chunk_tree_plan(forest, 8) if mode == "tree-C8" else plan_linear(forest, mode)
-    check_against_reference(forest, plan, GATED_LINEAR_ATTENTION, "key")
+    check_against_reference(forest, plan, recurrence, "key")
 
 
 def test_delta_rule_through_the_contract_is_the_delta_rule():
@@ -180,28 +185,49 @@ def test_gate_shapes():
 
 
 def _recording_backend(name: str, recurrence, calls: list):
-    """A backend that runs ``recurrence``'s plain op and records the gate each call hands it."""
+    """A backend that runs ``recurrence``'s plain op and records the gate each call hands it; it
+    names nothing else, so attention and every other recurrence keep their plain kernels."""
     def kernel(*args, **kwargs):
         calls.append(tuple(args[recurrence.inputs.index("g")].shape))
         return recurrence.chunked(*args, **kwargs)
 
-    register_backend(name, lambda: Backend(name, {recurrence.name: kernel}, tree_attention))
+    register_backend(name, lambda: Backend(name, {recurrence.name: kernel}))
 
 
-def test_a_backend_supplies_a_kernel_for_any_recurrence_by_name():
-    """A backend that names gated linear attention runs every call of it, and leaves the delta rule
-    (which it does not name) on its plain op; a per-head gate reaches the kernel unexpanded."""
+def test_a_backend_names_only_what_it_accelerates():
+    """A backend of a name alone is the torch backend's set of kernels: every recurrence's plain op
+    and the plain tree attention."""
+    bare = Backend("bare")
+    assert bare.recurrences == {} and bare.attention is tree_attention
+    with use_backend("torch") as torch_backend:
+        assert torch_backend.recurrences == {} and torch_backend.attention is tree_attention
+        assert all(r.kernel() is r.chunked for r in ALL_RECURRENCES)
+
+
+def _per_head_gate(recurrence, inputs):
+    """``inputs`` with the gate g as one value per head [N, H] where ``recurrence`` takes it so."""
+    if "g" not in recurrence.per_head_inputs:
+        return inputs
+    at = recurrence.inputs.index("g")
+    return (*inputs[:at], inputs[at][..., 0], *inputs[at + 1:])
+
+
+@pytest.mark.parametrize("named", RECURRENCES, ids=RECURRENCE_IDS)
+def test_a_backend_supplies_a_kernel_for_any_recurrence_by_name(named):
+    """A backend that names one recurrence runs every call of it, and leaves the others (which it
+    does not name) on their plain ops; a per-head gate reaches the kernel unexpanded."""
     forest = harts.build_forest(PLAN_SHAPES["short-parents-K4"])
     plan = plan_linear(forest, "chain")
     calls: list = []
-    _recording_backend("gla-recording", GATED_LINEAR_ATTENTION, calls)
-    q, k, v, g = _inputs_for(GATED_LINEAR_ATTENTION, forest.num_tokens, 2, 8, 4)
-    dr_inputs = _inputs_for(DELTA_RULE, forest.num_tokens, 2, 8, 4)
-    want, _ = tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[..., 0]), plan)
-    dr_want, _ = tree_recurrence(DELTA_RULE, dr_inputs, plan)
-    with use_backend("gla-recording"):
-        got, _ = tree_recurrence(GATED_LINEAR_ATTENTION, (q, k, v, g[..., 0]), plan)
-        assert len(calls) == plan.num_calls and all(len(shape) == 3 for shape in calls)  # [W, T, H]
-        dr_got, _ = tree_recurrence(DELTA_RULE, dr_inputs, plan)
+    _recording_backend(f"{named.name}-recording", named, calls)
+    inputs = [_per_head_gate(r, _inputs_for(r, forest.num_tokens, 2, 8, 4)) for r in RECURRENCES]
+    want = [tree_recurrence(r, x, plan)[0] for r, x in zip(RECURRENCES, inputs, strict=True)]
+    with use_backend(f"{named.name}-recording"):
+        got = []
+        for r, x in zip(RECURRENCES, inputs, strict=True):
+            got.append(tree_recurrence(r, x, plan)[0])
+            if r is named:  # a per-head gate as [W, T, H]
+                dims = 3 if "g" in named.per_head_inputs else 4
+                assert len(calls) == plan.num_calls and all(len(shape) == dims for shape in calls)
     assert len(calls) == plan.num_calls
-    assert torch.equal(got, want) and torch.equal(dr_got, dr_want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

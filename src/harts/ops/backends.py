@@ -6,12 +6,13 @@ under its name (the contract's chunked-op signature: batched right-padded segmen
 initial states, final states, optional states at inner positions) and runs its own plain-PyTorch op
 when the backend has none; tree attention asks for the backend's attention kernel (the signature of
 :func:`harts.ops.tree_attention.tree_attention` over a
-:class:`~harts.ops.tree_attention.TreeAttentionPlan`). Planners and adapters are untouched when a
-backend is added: register it with :func:`register_backend` and select it with
-:func:`use_backend`.
+:class:`~harts.plan.attention.TreeAttentionPlan`), which is the plain one unless the backend gives
+its own. A backend names only what it accelerates. Planners and adapters are untouched when a
+backend is added: register it with :func:`register_backend` and select it with :func:`use_backend`.
 
 Built in: ``torch``, plain PyTorch on any device (the CPU path, and a correct GPU path through
-SDPA and batched matmuls), the default: it names no recurrence, so each runs its plain op.
+SDPA and batched matmuls), the default: a :class:`Backend` with nothing of its own, so every
+recurrence runs its plain op and attention the plain tree attention.
 Registered: ``fla`` (:mod:`harts.ops.fla_backend`): flash-linear-attention's varlen ``chunk_kda`` /
 ``chunk_gated_delta_rule`` for the delta rule and a FlexAttention block mask for tree attention,
 for CUDA devices; it needs the ``gpu`` extra and is imported only when first selected, so an
@@ -24,7 +25,9 @@ import contextlib
 import functools
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from harts.ops.tree_attention import tree_attention
 
 __all__ = [
     "Backend", "register_backend", "use_backend", "current_backend", "available_backends", "resolve_backend",
@@ -34,18 +37,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Backend:
-    """A set of kernels: ``recurrences`` maps a recurrence's name (``Recurrence.name``) to the
-    chunked op that replaces its plain one; ``attention`` is the tree-attention kernel."""
+    """A set of kernels, each defaulting to the plain one: ``recurrences`` maps a recurrence's name
+    (``Recurrence.name``) to the chunked op that replaces its plain one (none: every recurrence runs
+    its own); ``attention`` is the tree-attention kernel (by default
+    :func:`~harts.ops.tree_attention.tree_attention`)."""
 
     name: str
-    recurrences: Mapping[str, Callable]
-    attention: Callable
+    recurrences: Mapping[str, Callable] = field(default_factory=dict)
+    attention: Callable = tree_attention
 
 
 def _torch_backend() -> Backend:
-    from harts.ops.tree_attention import tree_attention
-
-    return Backend("torch", {}, tree_attention)
+    return Backend("torch")
 
 
 def _fla_backend() -> Backend:

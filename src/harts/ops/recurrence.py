@@ -37,7 +37,8 @@ runs over any forest, under any budget, with no change to them.
 Built in: :data:`DELTA_RULE` (gated delta rule with per-channel log-decay: KDA; GDN with its
 per-head gate) and :data:`GATED_LINEAR_ATTENTION` (S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T,
 o_t = S_t^T q_t: lightning attention, Mamba-2, Mamba), each laid out as a package of its forms
-(:mod:`harts.ops.delta_rule`, :mod:`harts.ops.gated_linear_attention`). What this leaves out:
+(:mod:`harts.ops.delta_rule`, :mod:`harts.ops.gated_linear_attention`), and both listed in
+:data:`ALL_RECURRENCES`. What this leaves out:
 recurrences whose state is not one [H, K, V] tensor per sequence (e.g. several states per layer).
 """
 
@@ -62,7 +63,7 @@ from harts.ops.gated_linear_attention import (
     packed_gated_linear_attention,
 )
 
-__all__ = ["Recurrence", "DELTA_RULE", "GATED_LINEAR_ATTENTION"]
+__all__ = ["Recurrence", "DELTA_RULE", "GATED_LINEAR_ATTENTION", "ALL_RECURRENCES"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,8 @@ GATED_LINEAR_ATTENTION = Recurrence(
     naive_recurrent_gated_linear_attention, tree_kernel=chunk_tree_gated_linear_attention,
     packed_kernel=packed_gated_linear_attention, per_head_inputs=("g",),
 )  # fmt: skip
+
+#: Every recurrence harts runs. The contract's checks (outputs, every node's state and all gradients
+#: against the fp64 reference, under every linear plan) run over this tuple, so a recurrence listed
+#: here is checked whole.
+ALL_RECURRENCES: tuple[Recurrence, ...] = (DELTA_RULE, GATED_LINEAR_ATTENTION)
