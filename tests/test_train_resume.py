@@ -23,8 +23,9 @@ from harts.tiny import FAMILIES
 from harts.trainer.checkpoint import latest, list_checkpoints
 from harts.trainer.config import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
-from harts.trainer.loop import train, train_step
+from harts.trainer.loop import train
 from harts.trainer.optim import build_optimizers
+from harts.trainer.policy_step import train_step
 from tests.helpers import (
     kill_after,
     needs_bf16_attention,

@@ -5,7 +5,8 @@ Each step: the next ``rollouts_per_step`` rollouts (whole groups) -> the forest 
 rollouts carry rewards instead -> :func:`harts.forest_step` (forward and backward, every shared
 token once) -> the gradients cast into the fp32 master weights (a bf16 or fp16 model) ->
 gradient clipping -> optimizer step (of the masters, rounded back into the model) -> MoE bias
-update (when asked) -> schedule step -> ``zero_grad``. With ``[reference]`` the step's reference
+update (when asked) -> schedule step -> ``zero_grad``. The forward and backward of an update is
+:func:`harts.trainer.policy_step.train_step`'s. With ``[reference]`` the step's reference
 log-probs are computed first; with ``[ppo]`` its advantages and old log-probs are, and the step
 of rollouts runs ``ppo.epochs`` x ``ppo.mini_batches`` such updates over mini-batches of whole
 groups (:mod:`harts.trainer.ppo`); ``Position.step`` and the checkpoints count updates. With
@@ -26,10 +27,7 @@ same machine with the same ``threads`` (floating-point reductions depend on the 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -39,19 +37,14 @@ import torch
 from harts.adapters import adapter_for
 from harts.adapters.base import MoEBalancing
 from harts.forest import Forest
-from harts.objectives.advantages import estimate_advantages
-from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
 from harts.runtime.backward import StepResult
-from harts.runtime.config import RunConfig
-from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.routers import find_routers
-from harts.runtime.verify import Verification, VerificationError
-from harts.steps.policy import forest_step, step_inputs, verify_step
+from harts.runtime.verify import Verification
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
-from harts.trainer.config import TRAIN_ESTIMATORS, ObjectiveConfig, TrainConfig
+from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.critic import CRITIC_DIR, Critic
 from harts.trainer.evaluation import Evaluation
 from harts.trainer.inputs import (
@@ -69,97 +62,24 @@ from harts.trainer.inputs import (
 )
 from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
-from harts.trainer.optim import freeze_routers
+from harts.trainer.optim import ParameterSplit, freeze_routers
+from harts.trainer.policy_step import train_step
 from harts.trainer.ppo import StepUpdates, load_reference, shard_reference, weights_sha256
 from harts.trainer.processes import (
-    Ranks,
     full_model_state,
-    local_rollouts,
     rank_cost,
     save_state,
     start_ranks,
     wrap_model,
 )
 from harts.trainer.progress import MetricsLog
-from harts.trainer.rollout_stats import advantage_stats, rollout_stats
-from harts.trainer.run import CONFIG, Run, TrainingDiverged, collective, update_metrics
+from harts.trainer.resume_notes import resume_differences, run_versions
+from harts.trainer.rollout_stats import rollout_stats
+from harts.trainer.run import Run, TrainingDiverged, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
 from harts.trainer.throughput import Throughput
 
-__all__ = ["train", "train_step", "TrainingDiverged"]
-
-
-def train_step(
-    model: torch.nn.Module,
-    rollouts: list[Rollout],
-    objective: ObjectiveConfig,
-    loss: PolicyLossConfig,
-    run: RunConfig,
-    moe: MoEConfig | None,
-    ranks: Ranks | None = None,
-    verify: bool = False,
-) -> tuple[StepResult, Forest, Verification | None]:
-    """Forward and backward of one step, gradients into ``.grad``: :func:`harts.rollout_step`'s own
-    path (:func:`~harts.steps.policy.step_inputs`, then :func:`harts.forest_step`) with the advantages
-    estimated on the step's rows in between when ``objective.advantage`` names an estimator.
-
-    With ``ranks``, ``model`` is the wrapped model: every rank checks the whole step and
-    estimates its advantages (an error on any rank stops every rank with the same message), then
-    trains on its own trees, normalisers and gradients summed over the ranks. The forest returned
-    is the whole step's.
-
-    ``verify``: before the step, each rank checks its own trees against the stock forward
-    (:func:`harts.steps.policy.verify_step`); the ranks agree on the verdict, and a failure on
-    any rank raises VerificationError on every rank before any gradient is computed.
-
-    When the loss reads advantages, ``result.metrics`` gains ``advantage_mean`` and
-    ``advantage_std`` over the whole step's loss rows (the same on every rank)."""
-    forest, rows, local_forest, local_rows = _agreed(ranks, ValueError, _prepare, model, rollouts, objective,
-                                                     loss, ranks)  # fmt: skip
-    report = None
-    if verify:
-        report = _agreed(ranks, VerificationError, verify_step, model, local_forest, loss, run)
-    reduce = None if ranks is None else all_reduce_sum
-    normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
-    result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
-                        moe=moe)  # fmt: skip
-    if loss.policy_loss.needs_advantages and rows.has_advantage:  # the whole step's: alike on every rank
-        figures = advantage_stats(rows.advantage)
-        result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
-    return result, forest, report
-
-
-def _agreed(ranks: Ranks | None, error: type[Exception], fn, *args):
-    """``fn(*args)``; an ``error`` on any rank is raised on every rank with the first rank's message,
-    before the step's collectives (so no rank waits in one that another never enters)."""
-    message, out = None, None
-    try:
-        out = fn(*args)
-    except error as exc:
-        message = str(exc)
-    if ranks is not None:
-        message = collective(ranks.agree, message)
-    if message is not None:
-        raise error(message)
-    return out
-
-
-def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig, ranks: Ranks | None):
-    """The step's forest and rows (advantages estimated), and this rank's forest and rows."""
-    forest, rows = step_inputs(model, rollouts)
-    if objective.advantage is not None:
-        if rows.has_advantage:
-            raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
-                             f"advantages already: remove one of them")  # fmt: skip
-        rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
-    elif loss.policy_loss.needs_advantages and not rows.has_advantage:
-        raise ValueError(f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
-                         f"none: set objective.advantage ({', '.join(TRAIN_ESTIMATORS)}) to estimate "
-                         f"them from rewards")  # fmt: skip
-    if ranks is None:
-        return forest, rows, forest, rows
-    local, _ = local_rollouts(rollouts, rows, forest, ranks)
-    return (forest, rows, *step_inputs(model, local))
+__all__ = ["train", "TrainingDiverged"]
 
 
 def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
@@ -169,27 +89,6 @@ def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm
                   recomputed_parts=len(result.recomputed_parts), seconds=seconds,
                   **throughput.record(forest, rollouts, seconds), **rollout_stats(rollouts))  # fmt: skip
     return record
-
-
-def _versions() -> dict:
-    """What produced a checkpoint (bit-identical resume needs the same)."""
-    out = {"python": sys.version.split()[0]}
-    for name in ("harts", "torch", "transformers"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
-            out[name] = "unknown"
-    return out
-
-
-def _flatten(table: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 class _Train(Run):
@@ -220,14 +119,28 @@ class _Train(Run):
         return self.loop(start)
 
     def setup(self, resume: bool) -> Checkpoint | None:
+        start, state = self._check_inputs(resume)
+        self._make_model(start, state)
+        self._make_reference(start, state)
+        frozen = self._place_model()
+        split = self.build_optimizers(self.total)
+        self._make_critic(start)
+        self._make_step_configs()
+        self._restore(start, state)
+        self._describe(start, split, frozen)
+        return start
+
+    def _check_inputs(self, resume: bool) -> tuple[Checkpoint | None, dict | None]:
+        """Everything checked that can be before a model is built: the whole rollout file (against
+        the model's vocabulary and the objective's fields), the checkpoint resumed from, the logging
+        backends' packages, the eval and sample files, what torchrun's ranks cannot run."""
         config = self.config
-        # the whole file checked (the model's vocabulary, the objective's fields) before anything runs
         self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
                                      reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
-        self.steps_per_epoch, rollouts_per_epoch = self.data_check.steps, self.data_check.rollouts
+        self.steps_per_epoch = self.data_check.steps
         # optimizer updates: ppo.epochs x ppo.mini_batches per step of rollouts
         self.total = (config.steps or (config.epochs or 1) * self.steps_per_epoch) * config.updates_per_step
-        self.data_print = {**fingerprint(config.data.path), "rollouts": rollouts_per_epoch,
+        self.data_print = {**fingerprint(config.data.path), "rollouts": self.data_check.rollouts,
                            "steps_per_epoch": self.steps_per_epoch}  # fmt: skip
         start, state = self.resume_point(resume)
         if state is not None:
@@ -235,6 +148,16 @@ class _Train(Run):
         check_backends(config.logging.writers)  # a missing package refused before the model loads
         self.evaluation = Evaluation(config, model_vocab_size(config.model)) if config.eval else None
         self.samples = Samples(config, model_vocab_size(config.model)) if config.samples else None
+        self.verifying = config.run.verify != "never"
+        if self.verifying and self.ranks is not None and self.ranks.strategy == "fsdp":
+            self.verifying = False  # the stock forward of a sample cannot run on one rank of a sharded model
+            self.say("run.verify: not under FSDP2 (a rank cannot run the stock forward of its sample alone "
+                     "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
+        return start, state
+
+    def _make_model(self, start: Checkpoint | None, state: dict | None) -> None:
+        """The policy: ``[model]`` (or the checkpoint's weights), with its LoRA adapters under ``[lora]``."""
+        config = self.config
         seed_everything(config.seed)
         # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
         from_checkpoint = start.path if start and config.lora is None else None
@@ -245,76 +168,101 @@ class _Train(Run):
             recorded = (state or {}).get("lora", {}).get("base_sha256") if state is not None else None
             self.model, self.base_sha256 = attach_lora(self.model, config.lora, recorded,
                                                        start.path.name if start else "")  # fmt: skip
-        self.reference, self.reference_sha256, self.saved_old = None, None, None
-        if config.reference is not None:
-            self.reference = load_reference(config.reference, config.model, config.seed)
-            self.reference_sha256 = weights_sha256(self.reference)  # of the whole weights, before sharding
-            self.reference = shard_reference(self.reference, self.ranks)
-            recorded = (state or {}).get("reference", {}).get("sha256")
-            if state is not None and recorded != self.reference_sha256:
-                raise ValueError(
-                    f"reference.model = {config.reference.model!r}: its weights (sha256 "
-                    f"{self.reference_sha256}) "
-                    f"are not those {start.path.name} was trained against (sha256 {recorded}): the KL term "
-                    f"would change; restore the reference the run started with"
-                )
-        frozen = freeze_routers(self.model) if config.optimizer.freeze_router else []
+
+    def _make_reference(self, start: Checkpoint | None, state: dict | None) -> None:
+        """The KL term's reference (``[reference]``): loaded, fingerprinted whole, then sharded as the
+        policy is; on a resume its weights must be those the run started with."""
+        config = self.config
+        self.reference, self.reference_sha256 = None, None
+        if config.reference is None:
+            return
+        self.reference = load_reference(config.reference, config.model, config.seed)
+        self.reference_sha256 = weights_sha256(self.reference)  # of the whole weights, before sharding
+        self.reference = shard_reference(self.reference, self.ranks)
+        recorded = (state or {}).get("reference", {}).get("sha256")
+        if state is not None and recorded != self.reference_sha256:
+            raise ValueError(
+                f"reference.model = {config.reference.model!r}: its weights (sha256 "
+                f"{self.reference_sha256}) "
+                f"are not those {start.path.name} was trained against (sha256 {recorded}): the KL term "
+                f"would change; restore the reference the run started with"
+            )
+
+    def _place_model(self) -> list[str]:
+        """The policy as the step runs it: routers frozen (``optimizer.freeze_router``; the frozen
+        ones returned), wrapped by DDP or sharded by FSDP2 under torchrun."""
+        frozen = freeze_routers(self.model) if self.config.optimizer.freeze_router else []
         self.wrapped = self.model
         self.throughput = Throughput(self.model, self.ranks.world_size if self.ranks is not None else 1)
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
-        split = self.build_optimizers(self.total)
-        self.critic, self.saved_values = None, None
-        if config.critic is not None:
-            saved = start.path / CRITIC_DIR if start is not None else None
-            if saved is not None and not saved.is_dir():
-                raise ValueError(f"critic: {start.path.name} holds no critic (the run started without "
-                                 f"[critic]): resume with the config the run started with")  # fmt: skip
-            self.critic = Critic(config, self.total, saved, self.ranks)
+        return frozen
+
+    def _make_critic(self, start: Checkpoint | None) -> None:
+        """The value model beside the policy (``[critic]``), from the checkpoint on a resume."""
+        config = self.config
+        self.critic = None
+        if config.critic is None:
+            return
+        saved = start.path / CRITIC_DIR if start is not None else None
+        if saved is not None and not saved.is_dir():
+            raise ValueError(f"critic: {start.path.name} holds no critic (the run started without "
+                             f"[critic]): resume with the config the run started with")  # fmt: skip
+        self.critic = Critic(config, self.total, saved, self.ranks)
+
+    def _make_step_configs(self) -> None:
+        """What every update runs under: the loss, the RunConfig, the MoE statistics and balancing."""
+        config = self.config
         self.loss_config = config.objective.loss_config()
         self.run_config = config.run.run_config()
         self.moe = None
-        if config.moe.enabled:
-            self.moe = MoEConfig(aux_loss_coef=config.moe.aux_loss_coef)
-            try:
-                resolve_aux_coef(self.moe, self.model)
-            except ValueError as exc:
-                raise ValueError(f"moe: {exc}") from None
-            if config.moe.bias_update_speed:
-                if adapter_for(self.model).moe_balancing is not MoEBalancing.BIAS:
-                    raise ValueError(f"moe.bias_update_speed: {self.model.config.model_type} balances its "
-                                     f"experts with an auxiliary loss, not a router bias")  # fmt: skip
-                self.routers = [router for _, router in find_routers(self.model)]
+        if not config.moe.enabled:
+            return
+        self.moe = MoEConfig(aux_loss_coef=config.moe.aux_loss_coef)
+        try:
+            resolve_aux_coef(self.moe, self.model)
+        except ValueError as exc:
+            raise ValueError(f"moe: {exc}") from None
+        if config.moe.bias_update_speed:
+            if adapter_for(self.model).moe_balancing is not MoEBalancing.BIAS:
+                raise ValueError(f"moe.bias_update_speed: {self.model.config.model_type} balances its "
+                                 f"experts with an auxiliary loss, not a router bias")  # fmt: skip
+            self.routers = [router for _, router in find_routers(self.model)]
+
+    def _restore(self, start: Checkpoint | None, state: dict | None) -> None:
+        """The position, optimizers, random states and, between two updates of a step of rollouts, its
+        saved old log-probs and critic values from the checkpoint (a fresh run: the start)."""
         self.position = Position()
-        if start is not None:
-            trainer = self.restore_optimizers(start)
-            set_rng_state(trainer["rng"])
-            self.position = Position(**state["position"])
-            self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
-            if self.critic is not None:
-                self.critic.load_state_dict(trainer.get("critic"), start.path)
-                self.saved_values = trainer.get("critic_values") if self.position.within_step else None
-            if self.data_changed and self.position.within_step:
-                self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
-                         f"file that step starts over from its first update")  # fmt: skip
-                self.position.ppo_epoch = self.position.mini_batch = 0
-                self.saved_old = self.saved_values = None
-            if self.data_changed and self.position.fit(self.steps_per_epoch):
-                self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
-                         f"start of epoch {self.position.epoch}")  # fmt: skip
-        self.verifying = config.run.verify != "never"
-        if self.verifying and self.ranks is not None and self.ranks.strategy == "fsdp":
-            self.verifying = False  # the stock forward of a sample cannot run on one rank of a sharded model
-            self.say("run.verify: not under FSDP2 (a rank cannot run the stock forward of its sample alone "
-                     "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
+        self.saved_old, self.saved_values = None, None
+        if start is None:
+            return
+        trainer = self.restore_optimizers(start)
+        set_rng_state(trainer["rng"])
+        self.position = Position(**state["position"])
+        self.saved_old = trainer.get("old_logprobs") if self.position.within_step else None
+        if self.critic is not None:
+            self.critic.load_state_dict(trainer.get("critic"), start.path)
+            self.saved_values = trainer.get("critic_values") if self.position.within_step else None
+        if self.data_changed and self.position.within_step:
+            self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
+                     f"file that step starts over from its first update")  # fmt: skip
+            self.position.ppo_epoch = self.position.mini_batch = 0
+            self.saved_old = self.saved_values = None
+        if self.data_changed and self.position.fit(self.steps_per_epoch):
+            self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
+                     f"start of epoch {self.position.epoch}")  # fmt: skip
+
+    def _describe(self, start: Checkpoint | None, split: ParameterSplit, frozen: list[str]) -> None:
+        """The run's lines before its first update: ranks, model, data, reference, PPO, critic."""
+        config = self.config
         if self.ranks is not None:
             self.say(f"{self.ranks.world_size} ranks ({self.ranks.strategy}, trees balanced by "
                      f"{self.ranks.balance}, {torch.distributed.get_backend()})")  # fmt: skip
         self.describe_model(split, frozen)
         steps = (f"{self.total // config.updates_per_step} steps, {self.total} optimizer updates"
                  if config.ppo is not None else f"{self.total} steps")  # fmt: skip
-        self.say(f"data {config.data.path.name}: {rollouts_per_epoch} rollouts, {self.steps_per_epoch} "
+        self.say(f"data {config.data.path.name}: {self.data_check.rollouts} rollouts, {self.steps_per_epoch} "
                  f"steps per epoch; {steps}; out {self.out}")  # fmt: skip
         if config.reference is not None:
             ref = config.reference
@@ -335,7 +283,6 @@ class _Train(Run):
             self.say(self.critic.describe(f"from {start.path.name}" if start else source))
         if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
             self.say(f"warning: {fields}")
-        return start
 
     def _check_resume(self, start: Checkpoint, state: dict) -> None:
         change = data_change(state["data"], self.data_print, start.path.name, self.config.data.path,
@@ -347,28 +294,8 @@ class _Train(Run):
         if state["position"]["step"] > self.total:
             raise ValueError(f"{start.path.name} is past the run's {self.total} steps: raise steps or epochs")
         world = self.ranks.world_size if self.ranks is not None else 1
-        if state.get("world_size", 1) != world:
-            self.say(f"{start.path.name} was written by {state.get('world_size', 1)} rank(s), this run has "
-                     f"{world}: the state is resharded; the result matches an uninterrupted run to "
-                     f"floating-point rounding, not bit for bit")  # fmt: skip
-        threads = self.config.threads or torch.get_num_threads()
-        if state.get("threads") != threads:
-            self.say(f"warning: {start.path.name} ran with {state.get('threads')} threads, this run with "
-                     f"{threads}: the result will not be bit-identical to an uninterrupted run")  # fmt: skip
-        versions = {k: v for k, v in _versions().items() if state.get("versions", {}).get(k) != v}
-        if versions:
-            now = ", ".join(f"{k} {v}" for k, v in versions.items())
-            self.say(f"warning: {start.path.name} was written with other versions than this run's ({now}): "
-                     f"the result may not be bit-identical to an uninterrupted run")  # fmt: skip
-        try:
-            before = _flatten(tomllib.loads((start.path / CONFIG).read_text(encoding="utf-8")))
-        except (OSError, tomllib.TOMLDecodeError):
-            before = {}
-        now = _flatten(self.config.table)
-        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "out")
-        if changed:
-            self.say(f"warning: the config differs from {start.path.name}'s in {', '.join(changed)}: the "
-                     f"resumed run follows the new one")  # fmt: skip
+        for line in resume_differences(start, state, self.config, world):
+            self.say(line)
         self.say(f"resuming from {start.path} (step {state['position']['step']})")
 
     def prepare(self, rollouts: list[Rollout]) -> StepUpdates:
@@ -461,7 +388,7 @@ class _Train(Run):
             "total_steps": self.total,
             "threads": torch.get_num_threads(),
             "data": {"path": str(self.config.data.path), **self.data_print},
-            "versions": _versions(),
+            "versions": run_versions(),
         }
         if self.reference_sha256 is not None:
             state["reference"] = {"model": self.config.reference.model, "sha256": self.reference_sha256}
