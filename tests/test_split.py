@@ -20,7 +20,8 @@ import torch
 import harts
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches, split_long_nodes
-from harts.runtime.backward import _depth_first_walk, forest_backward, next_token_rows
+from harts.plan.schedule import depth_first_walk
+from harts.runtime.backward import forest_backward, next_token_rows
 from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
@@ -379,14 +380,14 @@ def test_depth_first_walk_knows_its_holds_in_advance():
     readers only: the step knows its holds before running anything, and runs a part whose graph it
     will not hold without autograd the first time."""
     producers = {0: set(), 1: {0}, 2: {0, 1}, 3: {0, 1, 2}}
-    events = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=100))
+    events = list(depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=100))
     assert events == [("pass", 0), ("pass", 1), ("hold", 2), ("run", 3), ("backward", 3), ("backward", 2),
                       ("again", 1), ("backward", 1), ("again", 0), ("backward", 0)]  # fmt: skip
-    roomy = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=300))
+    roomy = list(depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=300))
     assert not any(kind in ("pass", "again") for kind, _ in roomy)
-    none = list(_depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=0))
+    none = list(depth_first_walk([0, 1, 2, 3], [100, 100, 100, 10], producers, cap=0))
     assert [p for kind, p in none if kind == "again"] == [2, 1, 0]
-    too_large = list(_depth_first_walk([0, 1, 2, 3], [100, 400, 100, 10], producers, cap=300))
+    too_large = list(depth_first_walk([0, 1, 2, 3], [100, 400, 100, 10], producers, cap=300))
     assert ("pass", 1) in too_large and ("again", 1) in too_large
     assert ("hold", 0) in too_large and ("hold", 2) in too_large
 
@@ -396,7 +397,7 @@ def test_depth_first_walk_counts_a_large_bound_in_coarser_units():
     up, so the held graphs still stay within the bound, and here the best choice is still found."""
     producers = {0: set(), 1: {0}, 2: {0, 1}, 3: {0, 1, 2}}
     sizes = [60_000, 30_000, 65_000, 10]  # 0 + 2 overflow; 0 + 1 hold 90,000 tokens, 1 + 2 95,000
-    events = list(_depth_first_walk([0, 1, 2, 3], sizes, producers, cap=100_000))
+    events = list(depth_first_walk([0, 1, 2, 3], sizes, producers, cap=100_000))
     peak, rerun = _held_peak_and_rerun(events, sizes)
     assert peak <= 100_000 and rerun == 60_000
     assert [p for kind, p in events if kind == "hold"] == [1, 2]
@@ -406,13 +407,13 @@ def test_depth_first_walk_falls_back_where_lifetimes_do_not_nest():
     """Parts not in pre-order: 3 reads 1 and 4 reads 2, so 1's graph is freed while 2's, started
     later, still lives. No tree of lifetimes, so the walk holds each part while it fits and drops
     the oldest held graphs to make room, within the bound."""
-    from harts.runtime.backward import _graphs_to_hold, _oldest_dropped_walk
+    from harts.plan.schedule import graphs_to_hold, oldest_dropped_walk
 
     producers = {0: set(), 1: {0}, 2: {0}, 3: {1}, 4: {2}}
     sizes, order = [10, 30, 30, 5, 5], [0, 1, 2, 3, 4]
-    assert _graphs_to_hold(order, sizes, producers, 40) is None
-    events = list(_depth_first_walk(order, sizes, producers, 40))
-    assert events == list(_oldest_dropped_walk(order, sizes, producers, 40))
+    assert graphs_to_hold(order, sizes, producers, 40) is None
+    events = list(depth_first_walk(order, sizes, producers, 40))
+    assert events == list(oldest_dropped_walk(order, sizes, producers, 40))
     assert _held_peak_and_rerun(events, sizes)[0] <= 40
 
 
@@ -442,7 +443,7 @@ def test_depth_first_walk_runs_the_fewest_tokens_twice(seed):
     graphs first."""
     import itertools
 
-    from harts.runtime.backward import _graphs_to_hold, _oldest_dropped_walk, _walk
+    from harts.plan.schedule import graphs_to_hold, oldest_dropped_walk, walk_holding
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(3, 10))
@@ -461,16 +462,16 @@ def test_depth_first_walk_runs_the_fewest_tokens_twice(seed):
     order = list(range(n))
     sizes = [int(x) for x in rng.integers(1, 60, n)]
     cap = int(rng.integers(0, 150))
-    assert _graphs_to_hold(order, sizes, producers, cap) is not None
-    events = list(_depth_first_walk(order, sizes, producers, cap))
+    assert graphs_to_hold(order, sizes, producers, cap) is not None
+    events = list(depth_first_walk(order, sizes, producers, cap))
     peak, rerun = _held_peak_and_rerun(events, sizes)
     assert peak <= cap
     read = sorted({q for p in order for q in producers[p]})
-    choices = [_held_peak_and_rerun(list(_walk(order, producers, set(keep))), sizes)
+    choices = [_held_peak_and_rerun(list(walk_holding(order, producers, set(keep))), sizes)
                for k in range(len(read) + 1) for keep in itertools.combinations(read, k)]  # fmt: skip
     best = min(rerun for peak, rerun in choices if peak <= cap)
     assert rerun == best
-    assert rerun <= _held_peak_and_rerun(list(_oldest_dropped_walk(order, sizes, producers, cap)), sizes)[1]
+    assert rerun <= _held_peak_and_rerun(list(oldest_dropped_walk(order, sizes, producers, cap)), sizes)[1]
 
 
 def test_held_graphs_are_bounded_by_hold_tokens():

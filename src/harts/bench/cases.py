@@ -36,6 +36,7 @@ from harts.adapters import adapter_for_type
 from harts.data.synthetic import scaled
 from harts.forest import Forest
 from harts.runtime.config import RunConfig
+from harts.runtime.result import step_result
 from harts.tiny import FAMILIES, tiny_model
 
 __all__ = [
@@ -129,7 +130,8 @@ def sft_forward_step(
     loss = -logprob.sum()
     loss.backward()
     n = out.layout.num_tokens
-    return harts.StepResult(loss.detach(), logprob.detach(), entropy.detach(), 1, 0, [n], [out.layout])
+    return step_result(loss.detach(), logprob.detach(), entropy.detach(), layouts=[out.layout],
+                       tokens_per_micro_batch=[n])  # fmt: skip
 
 
 def sft_step(model: nn.Module, forest: Forest, rows: harts.LossRows, run: RunConfig) -> harts.StepResult:

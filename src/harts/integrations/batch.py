@@ -47,6 +47,7 @@ from harts.runtime.backward import StepResult
 from harts.runtime.config import RunConfig
 from harts.runtime.executor import forward
 from harts.runtime.forward_only import forest_row_logprobs
+from harts.runtime.result import replace_result
 from harts.steps.policy import forest_step, step_inputs
 
 __all__ = [
@@ -323,7 +324,7 @@ def batch_step(
         )
     result = forest_step(model, forest, rows, config, normalizers=normalizers, budget_tokens=budget_tokens,
                          run=run)  # fmt: skip
-    result.batch_layout = layout
+    result = replace_result(result, batch_layout=layout)
 
     def back(values: Tensor) -> Tensor:
         full = layout.scatter(values.detach(), rows.trajectory, rows.position)

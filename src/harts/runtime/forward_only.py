@@ -43,12 +43,14 @@ from torch import nn
 
 from harts.forest import Forest, build_forest
 from harts.ops.logprobs import check_temperature
-from harts.runtime.backward import FSDP_VERIFY, PartObserver, StepParts, check_rows
+from harts.plan.schedule import LossForm
+from harts.runtime.backward import FSDP_VERIFY, run_schedule
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import data_parallel, forward_only_step
 from harts.runtime.executor import check_inputs, resolve_model, run_backend
 from harts.runtime.model_checks import sharded_step
 from harts.runtime.readout import Readout, readout_for
+from harts.runtime.step_parts import PartObserver, StepParts, check_rows
 from harts.runtime.verify import verify_sample
 
 __all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs",
@@ -169,7 +171,7 @@ def forest_row_readout(
     gathered = forward_only_step(wrapped, run.fsdp_overlap)
     with torch.no_grad(), gathered as (_, sharded), run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout, sharded)
-        parts.forward_only()
+        run_schedule(parts, parts.schedule(LossForm.NONE))
     timings = {
         "plan": parts.clock.seconds["plan"] + parts.layout_seconds,
         "handoff": parts.clock.seconds["handoff"],

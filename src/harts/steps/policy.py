@@ -40,10 +40,11 @@ from harts.objectives.losses import (
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
-from harts.runtime.backward import FSDP_VERIFY, StepResult, forest_backward, verify_training
+from harts.runtime.backward import FSDP_VERIFY, forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
+from harts.runtime.result import StepResult, replace_result
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.verify import Verification
 from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
@@ -125,7 +126,7 @@ def forest_step(
     with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp):
         result, observer = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
     if dp is not None:
-        _sum_results(result, dp, observer)
+        result = _sum_results(result, dp, observer)
     return result
 
 
@@ -157,15 +158,16 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
             model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
             temperature=config.temperature, sharded=dp.sharded if dp is not None else None,
         )  # fmt: skip
-    result.rows = rows
-    if observer is not None:
-        result.moe = stats = observer.stats()
-        if stats.aux_loss is not None:
-            result.metrics["moe_aux_loss"] = stats.aux_loss.detach()
-            if aux_coef > 0:
-                result.loss = result.loss + aux_coef * stats.aux_loss.detach().to(result.loss.dtype)
-                result.metrics["loss"] = result.loss
-    return result, observer
+    if observer is None:
+        return replace_result(result, rows=rows), observer
+    stats = observer.stats()
+    loss, metrics = result.loss, dict(result.metrics)
+    if stats.aux_loss is not None:
+        metrics["moe_aux_loss"] = stats.aux_loss.detach()
+        if aux_coef > 0:
+            loss = loss + aux_coef * stats.aux_loss.detach().to(loss.dtype)
+            metrics["loss"] = loss
+    return replace_result(result, rows=rows, moe=stats, loss=loss, metrics=metrics), observer
 
 
 def verify_step(model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig | None = None
@@ -195,26 +197,27 @@ def _agreement(dp: DataParallel | None, recorder: RouterRecorder, aux_coef: floa
     return dp.sharded.agree_sum
 
 
-def _sum_results(result: StepResult, dp: DataParallel, observer: MoEObserver | None) -> None:
+def _sum_results(result: StepResult, dp: DataParallel, observer: MoEObserver | None) -> StepResult:
     """Loss, metrics and expert counts of the whole step on every rank: each rank's are its share
     of sums over the step's normalisers, so they add up."""
     names = sorted(result.metrics)
     values = torch.stack([result.loss.detach().float().reshape(())]
                          + [result.metrics[n].float().reshape(()) for n in names])  # fmt: skip
     dp.all_reduce_sum(values)
-    result.loss = values[0].to(result.loss.dtype)
+    loss, metrics, moe = values[0].to(result.loss.dtype), dict(result.metrics), result.moe
     for n, v in zip(names, values[1:], strict=True):
-        result.metrics[n] = v
-    if "loss" in result.metrics:
-        result.metrics["loss"] = result.loss
-    if result.moe is not None:
-        dp.all_reduce_sum(result.moe.expert_counts)
-        dp.all_reduce_sum(result.moe.tokens)
-        if result.moe.aux_loss is not None:
+        metrics[n] = v
+    if "loss" in metrics:
+        metrics["loss"] = loss
+    if moe is not None:
+        dp.all_reduce_sum(moe.expert_counts)
+        dp.all_reduce_sum(moe.tokens)
+        if moe.aux_loss is not None:
             whole = observer.whole_step_aux_loss(dp.all_reduce_sum)
-            result.moe = dataclasses.replace(result.moe, aux_loss=whole)
-            if "moe_aux_loss" in result.metrics:  # the summed shares are the step's only when agreed
-                result.metrics["moe_aux_loss"] = whole
+            moe = dataclasses.replace(moe, aux_loss=whole)
+            if "moe_aux_loss" in metrics:  # the summed shares are the step's only when agreed
+                metrics["moe_aux_loss"] = whole
+    return replace_result(result, loss=loss, metrics=metrics, moe=moe)
 
 
 def step_inputs(
@@ -259,8 +262,7 @@ def rollout_step(
     config = _with_temperature(config, temperature)
     forest, rows = step_inputs(model, rollouts, share_prefixes)
     result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
-    result.batch_layout = getattr(rollouts, "layout", None)
-    return result
+    return replace_result(result, batch_layout=getattr(rollouts, "layout", None))
 
 
 class _PolicyLoss:

@@ -31,12 +31,13 @@ from harts.objectives.losses import Normalizers, normalizers_for
 from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 from harts.objectives.values import ValueLossConfig, check_value_rows, explained_variance, value_loss
-from harts.runtime.backward import FSDP_VERIFY, StepResult, forest_backward, verify_training
+from harts.runtime.backward import FSDP_VERIFY, forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step
 from harts.runtime.executor import model_device
 from harts.runtime.forward_only import forward_only_model
 from harts.runtime.readout import ScalarReadout, scalar_head
+from harts.runtime.result import StepResult, replace_result
 from harts.steps.policy import step_inputs
 
 __all__ = ["value_step"]
@@ -106,30 +107,30 @@ def value_step(
     with data_parallel_step(critic, overlap=run.fsdp_overlap) as (_, dp):
         result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
                                  readout=ScalarReadout(head), sharded=dp.sharded if dp is not None else None)
-    result.rows = rows
-    result.value = result.logprob
+    value = result.logprob
     if dp is None:
-        variance = explained_variance(result.value, rows.value_target)
+        variance = explained_variance(value, rows.value_target)
     else:
-        _sum_metrics(result, dp)
-        variance = _explained_variance_over_ranks(result.value, rows.value_target, dp)
-    result.metrics["explained_variance"] = variance.to(result.loss.dtype)
-    result.batch_layout = getattr(rollouts, "layout", None)
-    return result
+        result = _sum_metrics(result, dp)
+        variance = _explained_variance_over_ranks(value, rows.value_target, dp)
+    metrics = {**result.metrics, "explained_variance": variance.to(result.loss.dtype)}
+    return replace_result(result, rows=rows, value=value, metrics=metrics,
+                          batch_layout=getattr(rollouts, "layout", None))  # fmt: skip
 
 
-def _sum_metrics(result: StepResult, dp: DataParallel) -> None:
+def _sum_metrics(result: StepResult, dp: DataParallel) -> StepResult:
     """The loss and metrics of the whole step on every rank: each rank's are sums over the step's
     normalisers, so they add up."""
     names = sorted(n for n in result.metrics if n != "loss")
     values = torch.stack([result.loss.detach().double().reshape(())]
                          + [result.metrics[n].double().reshape(()) for n in names])  # fmt: skip
     dp.all_reduce_sum(values)
-    result.loss = values[0].to(result.loss.dtype)
+    loss, metrics = values[0].to(result.loss.dtype), dict(result.metrics)
     for n, v in zip(names, values[1:], strict=True):
-        result.metrics[n] = v.to(result.metrics[n].dtype)
-    if "loss" in result.metrics:
-        result.metrics["loss"] = result.loss
+        metrics[n] = v.to(metrics[n].dtype)
+    if "loss" in metrics:
+        metrics["loss"] = loss
+    return replace_result(result, loss=loss, metrics=metrics)
 
 
 def _explained_variance_over_ranks(value: Tensor, target: Tensor, dp: DataParallel) -> Tensor:
