@@ -9,16 +9,34 @@ and memory change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from harts.ops.backends import available_backends
 from harts.ops.logprobs import DEFAULT_CHUNK_ROWS
 from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import DEFAULT_CONTEXT_WEIGHT
 
-__all__ = ["RunConfig"]
+__all__ = ["RunConfig", "HoldTokens", "HOLD_AUTO", "BackendName"]
+
+
+class HoldTokens(StrEnum):
+    """The named settings of ``RunConfig.hold_tokens`` (otherwise an int, the bound itself); a
+    member equals its string, so ``"auto"`` (a caller's, a TOML file's) is the same setting."""
+
+    AUTO = "auto"  # follow the budget: one micro-batch's tokens of held graphs
+
 
 #: ``RunConfig.hold_tokens`` that follows the budget: one micro-batch's tokens of held graphs
-HOLD_AUTO = "auto"
+HOLD_AUTO = HoldTokens.AUTO
+
+
+class BackendName(StrEnum):
+    """``RunConfig.backend``: ``auto`` and the built-in kernel backends (:mod:`harts.ops.backends`);
+    a member equals its string. A backend registered under another name is selected by that name."""
+
+    AUTO = "auto"  # an enclosing use_backend's, else fla on CUDA with the gpu extra, else torch
+    TORCH = "torch"  # plain PyTorch, any device
+    FLA = "fla"  # flash-linear-attention and FlexAttention, CUDA
 
 
 @dataclass(frozen=True)
@@ -76,9 +94,9 @@ class RunConfig:
     cost_model: LinearCostModel = field(default_factory=LinearCostModel)
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     recompute_linear: bool = False
-    hold_tokens: int | str = HOLD_AUTO
+    hold_tokens: int | HoldTokens = HOLD_AUTO
     fsdp_overlap: bool = True
-    backend: str = "auto"
+    backend: BackendName | str = BackendName.AUTO
     verify: bool = False
 
     def __post_init__(self):
@@ -101,15 +119,17 @@ class RunConfig:
         if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {self.chunk_rows!r}")
         hold = self.hold_tokens
-        if not (isinstance(hold, str) and hold == HOLD_AUTO) and (
-            isinstance(hold, bool) or not isinstance(hold, int) or hold < 0
-        ):
-            raise ValueError(f"hold_tokens must be {HOLD_AUTO!r} or an int >= 0, got {hold!r}")
+        if isinstance(hold, str) and hold in HoldTokens.__members__.values():
+            object.__setattr__(self, "hold_tokens", HoldTokens(hold))
+        elif isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
+            raise ValueError(f"hold_tokens must be {HOLD_AUTO.value!r} or an int >= 0, got {hold!r}")
         if not isinstance(self.fsdp_overlap, bool):
             raise ValueError(f"fsdp_overlap must be True or False, got {self.fsdp_overlap!r}")
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True or False, got {self.verify!r}")
-        if self.backend != "auto" and self.backend not in available_backends():
+        if isinstance(self.backend, str) and self.backend in BackendName.__members__.values():
+            object.__setattr__(self, "backend", BackendName(self.backend))
+        if self.backend != BackendName.AUTO and self.backend not in available_backends():
             raise ValueError(
                 f"unknown backend {self.backend!r}; expected auto or one of {', '.join(available_backends())}"
             )
@@ -125,7 +145,7 @@ class RunConfig:
         ``auto`` read as ``budget_tokens`` (0 without a budget: the forest runs as one part, which
         no other part reads). Resolved here, from the config a step runs under, so a budget
         applied later (:meth:`resolve`, ``dataclasses.replace``) carries the bound with it."""
-        if self.hold_tokens == HOLD_AUTO:
+        if self.hold_tokens == HoldTokens.AUTO:
             return self.budget_tokens or 0
         return self.hold_tokens
 
