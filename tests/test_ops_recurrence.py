@@ -187,6 +187,7 @@ def test_gate_shapes():
 def _recording_backend(name: str, recurrence, calls: list):
     """A backend that runs ``recurrence``'s plain op and records the gate each call hands it; it
     names nothing else, so attention and every other recurrence keep their plain kernels."""
+
     def kernel(*args, **kwargs):
         calls.append(tuple(args[recurrence.inputs.index("g")].shape))
         return recurrence.chunked(*args, **kwargs)
@@ -209,7 +210,7 @@ def _per_head_gate(recurrence, inputs):
     if "g" not in recurrence.per_head_inputs:
         return inputs
     at = recurrence.inputs.index("g")
-    return (*inputs[:at], inputs[at][..., 0], *inputs[at + 1:])
+    return (*inputs[:at], inputs[at][..., 0], *inputs[at + 1 :])
 
 
 @pytest.mark.parametrize("named", RECURRENCES, ids=RECURRENCE_IDS)
