@@ -151,16 +151,8 @@ def check_turn(
     return trajectory, turn, prompt, completion, logprobs
 
 
-def stitch_trajectory(
-    turns: list[tuple[str, dict, tuple]], group: Any, split_drift: bool = True
-) -> list[TurnPiece]:
-    """A trajectory's pieces from its records ``(where, record, check_turn(...))``, in any order.
-
-    Refuses a turn number missing or repeated, a reward on no turn or on two, log-probs on some
-    turns only, and (``split_drift=False``) a context that drifted, each naming a line.
-    """
-    trajectory = turns[0][2][0]
-    ordered = sorted(turns, key=lambda t: t[2][1])
+def _check_turn_numbers(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) -> None:
+    """Refuse turns not numbered 0, 1, ... (one missing or repeated): the stitch follows that order."""
     for i, (where, _, checked) in enumerate(ordered):
         if checked[1] != i:
             at = _at(where, trajectory)
@@ -172,6 +164,10 @@ def stitch_trajectory(
                 f"{at}, field 'turn': turn {i} missing (this record is turn {checked[1]}; "
                 f"turns are numbered 0, 1, ... with none left out)"
             )
+
+
+def _trajectory_reward(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) -> Any:
+    """The trajectory's one reward: given on exactly one of its turns, since it scores the whole."""
     rewarded = [(where, record) for where, record, _ in ordered if record.get("reward") is not None]
     if not rewarded:
         raise ValueError(
@@ -183,7 +179,11 @@ def stitch_trajectory(
             f"{_at(rewarded[1][0], trajectory)}, field 'reward': also given on "
             f"{rewarded[0][0]}; give the trajectory's reward on one turn only"
         )
-    reward = rewarded[0][1]["reward"]
+    return rewarded[0][1]["reward"]
+
+
+def _has_logprobs(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) -> bool:
+    """Whether the turns carry log-probs: on every turn or on none, so a piece's are whole."""
     with_logprobs = [t[2][4] is not None for t in ordered]
     if any(with_logprobs) and not all(with_logprobs):
         i = with_logprobs.index(not with_logprobs[0])
@@ -192,9 +192,19 @@ def stitch_trajectory(
             f"{_at(ordered[i][0], trajectory)}, field 'completion_logprobs': {state} on turn {i} "
             f"but not so on turn 0 ({ordered[0][0]}): give them on every turn or on none"
         )
-    has_lp = with_logprobs[0]
+    return with_logprobs[0]
 
-    pieces: list[tuple[list, list, list, str, dict]] = []  # tokens, mask, logprobs, where, metadata
+
+def _stitch_pieces(
+    trajectory: Any, ordered: list[tuple[str, dict, tuple]], split_drift: bool
+) -> tuple[list[tuple[list, list, list, str, dict]], str | None]:
+    """The turns joined into exact pieces (tokens, mask, log-probs, where, metadata), and where the
+    context first drifted (None if never).
+
+    A turn whose prompt starts with the piece so far extends it (the new prompt tokens unmasked, the
+    completion masked); one that does not starts a new piece, or is refused with ``split_drift=False``.
+    """
+    pieces: list[tuple[list, list, list, str, dict]] = []
     drift = None
     for i, (where, record, (_, _, prompt, completion, logprobs)) in enumerate(ordered):
         extra = {k: v for k, v in record.items() if k not in TURNS_FIELDS}
@@ -226,6 +236,23 @@ def stitch_trajectory(
                 extra,
             )
         )
+    return pieces, drift
+
+
+def stitch_trajectory(
+    turns: list[tuple[str, dict, tuple]], group: Any, split_drift: bool = True
+) -> list[TurnPiece]:
+    """A trajectory's pieces from its records ``(where, record, check_turn(...))``, in any order.
+
+    Refuses a turn number missing or repeated, a reward on no turn or on two, log-probs on some
+    turns only, and (``split_drift=False``) a context that drifted, each naming a line.
+    """
+    trajectory = turns[0][2][0]
+    ordered = sorted(turns, key=lambda t: t[2][1])
+    _check_turn_numbers(trajectory, ordered)
+    reward = _trajectory_reward(trajectory, ordered)
+    has_lp = _has_logprobs(trajectory, ordered)
+    pieces, drift = _stitch_pieces(trajectory, ordered, split_drift)
     out = []
     for k, (tokens, mask, lps, where, meta) in enumerate(pieces):
         rollout = Rollout(
