@@ -1,47 +1,52 @@
-"""``make demo``: training steps on a rollout forest in tree layout against the flat layout.
+"""``make demo``: harts' tree step against stock Hugging Face and against the flat layout, in a minute.
 
 A randomly initialised model with the Ling 3 architecture (KDA linear layers, an MLA full
 layer with interleaved RoPE and output gate, MoE with a shared expert) and a synthetic agentic
-rollout set (a long shared system prompt, several turns, branches where earlier-turn thinking is
+rollout set (a shared system prompt, several turns, branches where earlier-turn thinking is
 dropped). The flat layout is the same :func:`harts.rollout_step` with ``share_prefixes=False``
 (same code and kernels, each trajectory its own root, whole trajectories packed into
 micro-batches and never cut), the way a flat trainer runs.
 
 It prints, in order:
 
-1. exactness of one step: the loss and every parameter's gradient in tree layout against the
-   flat layout (relative errors; the tolerance is 1e-4, docs/architecture.md), and the logits;
-2. speed: one step (forward and backward) timed ``--repeats`` times after a warm-up, the layouts
-   interleaved, the median of each. The flat layout is timed at the tree's budget, without a
-   budget and at 1024 and 4096 tokens (the distinct ones), and the fastest is the baseline, as
-   ``harts bench`` does: one flat micro-batch per budget is not the strongest flat trainer;
-3. the tensor peak of one step in each layout (the flat one at its fastest budget), the tree's
-   with its default, which keeps the graphs of parts that later parts read (up to twice the
-   budget in all), and with ``hold_tokens=0``, which runs those parts forward again instead;
-4. ``--steps`` AdamW steps from the same seed in both layouts, losses side by side. They agree
-   to fp32 rounding; the weights are not compared, because AdamW moves an element whose gradient
-   sits at rounding level by a rounding-dependent fraction of lr whatever its size, so the
-   first step's gradients (1.) are what shows exactness.
+1. exactness of one step against stock Hugging Face (:mod:`harts.demo.exactness`): each
+   trajectory alone through the stock ``model(input_ids)`` forward, the logits and the gradients
+   of the same SFT loss, against harts' tree step; the worst differences next to the fp32 bounds
+   (1e-4 on logits, 1e-4 relative on each parameter's gradient), PASS or FAIL. On FAIL the demo
+   stops there and exits with status 1;
+2. speed (:mod:`harts.demo.speed`): one step (forward and backward) of the tree against the flat
+   layout at its fastest budget, medians of ``--repeats`` interleaved timings, next to the
+   FLOP-ideal speedup; a measured speedup above the ideal is reported as a noisy or weak baseline,
+   with no speedup claimed;
+3. the tensor peak of one step in each layout (:mod:`harts.demo.memory`);
+4. ``--steps`` AdamW steps from the same seed in both layouts, losses side by side
+   (:mod:`harts.demo.training`).
 
-Usage: ``python -m harts.demo [--steps 3] [--repeats 3] [--budget 2048] [--system-len 1000] [--seed 0]``.
+By default the rollouts are small (a 200-token system prompt, 2 turns of about 60 tokens, a
+512-token budget, 2 repeats, 2 steps), so that the whole run takes about a minute on 2 CPU cores,
+most of it the stock forwards of part 1 and the flat steps of part 2. ``--full`` restores the
+longer measurement (a 1000-token system prompt, 4 turns of about 100 tokens, a 2048-token budget,
+3 repeats, 3 steps: about 37k flat tokens, several minutes on 2 cores); any size given on the
+command line overrides either preset.
+
+Usage: ``python -m harts.demo [--full] [--system-len N] [--turns N] [--turn-len N] [--budget N]
+[--repeats N] [--steps N] [--seed 0]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import statistics
+import dataclasses
 import sys
-import time
 
 import torch
 
 import harts
-from harts.bench.cases import flat_budget_variants, flat_run
-from harts.bench.memory import tensor_peak_bytes
 from harts.data.synthetic import agentic
-from harts.runtime.flops import flop_model, ideal_speedup
+from harts.demo.exactness import compare_with_stock
+from harts.demo.memory import report_memory
+from harts.demo.speed import report_speed
+from harts.demo.training import report_training, step_fn
 from harts.tiny import tiny_model
 
 DEMO_MODEL = dict(
@@ -59,180 +64,89 @@ DEMO_MODEL = dict(
     num_experts=8,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
 )
+FAMILY = "bailing_hybrid"
 
 
-FLAT_BUDGETS = (1024, 4096, 8192)  # besides the tree's budget
-SFT = harts.PolicyLossConfig(kind="sft")  # token-mean cross entropy over every next token
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes of one demo run: the rollouts (``harts.data.synthetic.agentic``), the tree's
+    token budget, timed repeats per variant and optimizer steps per layout."""
+
+    system_len: int
+    turns: int
+    turn_len: int
+    budget: int
+    repeats: int
+    steps: int
 
 
-def step_fn(model, rollouts, share_prefixes: bool, budget: int | None):
-    """One SFT step (forward and backward) of the rollouts in one layout, as a callable."""
-    return lambda: harts.rollout_step(model, rollouts, SFT, budget_tokens=budget,
-                                      share_prefixes=share_prefixes)  # fmt: skip
+QUICK = Sizes(system_len=200, turns=2, turn_len=60, budget=512, repeats=2, steps=2)  # about a minute
+FULL = Sizes(system_len=1000, turns=4, turn_len=100, budget=2048, repeats=3, steps=3)  # several minutes
 
 
-def train(model, rollouts, share_prefixes: bool, budget: int | None, steps: int, seed: int) -> list[float]:
-    """``steps`` SFT optimizer steps from the model's current weights (restored after); the losses."""
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step, losses = step_fn(model, rollouts, share_prefixes, budget), []
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(step().loss))
-        optimizer.step()
-    model.load_state_dict(initial)
-    return losses
+def demo_model(seed: int = 0):
+    """The demo's model: a tiny randomly initialised Ling 3 (bailing_hybrid)."""
+    return tiny_model(FAMILY, seed=seed, **DEMO_MODEL)
 
 
-def time_steps(model, fns: dict, flat_names, repeats: int) -> tuple[dict[str, float], set[str]]:
-    """Median seconds per step of each variant: every one warmed up once (timed), then the tree and
-    the flat variants that could still be fastest (within 1.5x of the fastest flat warm-up; a
-    warm-up step is never faster than a warm one) timed ``repeats`` times, interleaved; the
-    others keep their warm-up time. Returns (seconds by variant, the variants timed warm)."""
-
-    def timed(fn) -> float:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    warm = {name: timed(fn) for name, fn in fns.items()}
-    fastest_flat = min(warm[n] for n in flat_names)
-    racing = [n for n in fns if n == "tree" or warm[n] <= 1.5 * fastest_flat]
-    times: dict[str, list[float]] = {name: [] for name in racing}
-    for _ in range(repeats):
-        for name in racing:
-            times[name].append(timed(fns[name]))
-    model.zero_grad(set_to_none=True)
-    median = {name: statistics.median(times[name]) if name in times else warm[name] for name in fns}
-    return median, set(racing)
+def demo_trajectories(sizes: Sizes, seed: int = 0) -> list[list[int]]:
+    """Two tasks, four rollouts each, over one shared system prompt."""
+    return agentic(system_len=sizes.system_len, num_tasks=2, rollouts_per_task=4, turns=sizes.turns,
+                   turn_len=sizes.turn_len, vocab_size=DEMO_MODEL["vocab_size"], seed=seed)  # fmt: skip
 
 
-def gradients(model, step) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = float(step().loss)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss, grads
-
-
-@contextlib.contextmanager
-def native_stderr_to_devnull():
-    """Send file descriptor 2 to /dev/null: the profiler's C++ code writes lines about its own
-    bookkeeping there (kineto's start and stop, CPUAllocator's note that a block allocated before
-    profiling began was freed), which would land in the middle of the report. Python errors are
-    raised, and printed, after it is restored."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def peak_mib(model, step) -> float:
-    """Tensor peak of one step (forward and backward), in MiB."""
-    with native_stderr_to_devnull():
-        return tensor_peak_bytes(step, lambda: model.zero_grad(set_to_none=True)) / 2**20
+def parse_sizes(argv: list[str] | None) -> tuple[Sizes, int]:
+    """(the run's sizes: the preset, ``--full`` or the quick default, with any size given; seed)."""
+    parser = argparse.ArgumentParser(prog="python -m harts.demo", description=__doc__.splitlines()[0])
+    longer = "the longer measurement: about 37k flat tokens, several minutes on 2 cores"
+    parser.add_argument("--full", action="store_true", help=longer)
+    helps = {
+        "system_len": "shared system prompt tokens",
+        "turns": "turns per rollout",
+        "turn_len": "tokens per turn (about)",
+        "budget": "unique tokens per micro-batch of the tree",
+        "repeats": "timed steps per layout and budget",
+        "steps": "optimizer steps per layout",
+    }
+    for name, text in helps.items():
+        default = f"default {getattr(QUICK, name)}; --full {getattr(FULL, name)}"
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"{text} ({default})")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    given = {name: getattr(args, name) for name in helps if getattr(args, name) is not None}
+    return dataclasses.replace(FULL if args.full else QUICK, **given), args.seed
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens")
-    parser.add_argument("--budget", type=int, default=2048, help="unique tokens per micro-batch")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per layout and budget")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    sizes, seed = parse_sizes(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each line as it is printed, also into a pipe
-
-    torch.manual_seed(args.seed)
-    model = tiny_model("bailing_hybrid", seed=args.seed, **DEMO_MODEL)
-    params = sum(p.numel() for p in model.parameters())
-    trajectories = agentic(
-        system_len=args.system_len,
-        num_tasks=2,
-        rollouts_per_task=4,
-        turns=4,
-        turn_len=100,
-        vocab_size=DEMO_MODEL["vocab_size"],
-        seed=args.seed,
-    )
+    torch.manual_seed(seed)
+    model = demo_model(seed)
+    trajectories = demo_trajectories(sizes, seed)
     tree = harts.build_forest(trajectories)
     flat = harts.build_forest(trajectories, share_prefixes=False)
-    print(
-        f"model: bailing_hybrid (Ling 3 architecture), {params / 1e6:.2f}M parameters, "
-        f"layers {model.config.layer_types}"
-    )
-    print(f"forest: {tree.describe()}")
-    print(f"redundancy (flat / unique tokens): {tree.redundancy:.2f}; "
-          f"tree budget {args.budget} unique tokens")  # fmt: skip
     rollouts = [harts.Rollout(t) for t in trajectories]
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {FAMILY} (Ling 3 architecture), {params / 1e6:.2f}M parameters, "
+          f"layers {model.config.layer_types}")  # fmt: skip
+    print(f"forest: {tree.describe()}")
+    longer = "" if sizes == FULL else "; --full for the longer measurement"
+    print(f"redundancy (flat / unique tokens): {tree.redundancy:.2f}; "
+          f"tree budget {sizes.budget} unique tokens{longer}")  # fmt: skip
 
-    # One micro-batch of the whole flat forest (37k tokens here) is far slower and larger than any
-    # of these, so it is not a candidate; a budget that holds the whole forest runs it as one.
-    flat_variants = {
-        name: flat_run(harts.RunConfig(budget_tokens=b), flat).budget_tokens
-        for name, b in flat_budget_variants(args.budget, FLAT_BUDGETS, flat).items() if name != "flat_whole"
-    }
-    fns = {"tree": step_fn(model, rollouts, True, args.budget)}
-    fns.update({name: step_fn(model, rollouts, False, b) for name, b in flat_variants.items()})
+    print(f"\n1. exactness: harts' tree step against stock Hugging Face, each of the {len(rollouts)} "
+          "trajectories alone through model(input_ids), fp32")  # fmt: skip
+    comparison = compare_with_stock(model, rollouts, sizes.budget)
+    print("\n".join(comparison.report()))
+    if not comparison.passed:
+        raise SystemExit(1)
 
-    # 1. exactness of one step, tree against flat (the flat layout is the per-trajectory computation)
-    loss_t, grads_t = gradients(model, fns["tree"])
-    loss_f, grads_f = gradients(model, fns["flat"])
-    grad_err = max(float((grads_t[n] - g).norm() / g.norm()) for n, g in grads_f.items() if g.norm() > 0)
-    with torch.no_grad():
-        out_t, out_f = harts.forward(model, tree), harts.forward(model, flat)
-        logit_diff = max(
-            (out_t.trajectory_logits(i) - out_f.trajectory_logits(i)).abs().max().item()
-            for i in range(tree.num_trajectories)
-        )
-    print(f"one step, tree vs flat: loss relative diff {abs(loss_t - loss_f) / abs(loss_f):.1e}, "
-          f"largest gradient relative error over {len(grads_f)} parameters {grad_err:.1e} (bound 1e-4), "
-          f"max |logit diff| {logit_diff:.1e}")  # fmt: skip
+    print("\n2. speed: one step, tree against flat at its fastest budget")
+    flat_budget = report_speed(model, rollouts, tree, flat, sizes.budget, sizes.repeats)
 
-    # 2. speed, against flat at its fastest budget
-    median, raced = time_steps(model, fns, flat_variants, args.repeats)
-    best = min(raced & set(flat_variants), key=median.get)
-    print("layout   budget   median s per step (forward and backward)")
-    for name, seconds in median.items():
-        layout, budget = ("tree", args.budget) if name == "tree" else ("flat", flat_variants[name])
-        mark = "   <- fastest flat" if name == best else ""
-        mark = mark if name in raced else "   (warm-up step only: too slow to be the fastest)"
-        print(f"{layout:<8} {budget or 'none':>6}   {seconds:.2f}{mark}")
-    ideal = ideal_speedup(flop_model(model), tree, flat)
-    print(f"speedup against flat at its fastest budget: {median[best] / median['tree']:.2f}x "
-          f"(FLOP-ideal {ideal:.2f}x)")  # fmt: skip
+    print("\n3. memory")
+    report_memory(model, rollouts, sizes.budget, step_fn(model, rollouts, True, sizes.budget),
+                  step_fn(model, rollouts, False, flat_budget))  # fmt: skip
 
-    # 3. memory: the tree's default keeps the shared prefix's graph for the parts that read it,
-    # so its step peaks above one part; hold_tokens=0 runs that part forward again instead
-    no_hold = harts.RunConfig(budget_tokens=args.budget, hold_tokens=0)
-
-    def tree_no_hold():
-        return harts.rollout_step(model, rollouts, SFT, run=no_hold)
-
-    steps = {"tree": fns["tree"], "tree_no_hold": tree_no_hold, best: fns[best]}
-    peaks = {name: peak_mib(model, step) for name, step in steps.items()}
-    print(f"tensor peak of one step: tree {peaks['tree']:.1f} MiB (default: keeps the graphs later parts "
-          f"read), {peaks['tree_no_hold']:.1f} MiB with RunConfig(hold_tokens=0) (runs those parts forward "
-          f"again); flat {peaks[best]:.1f} MiB")  # fmt: skip
-
-    # 4. training steps from the same seed
-    tree_loss = train(model, rollouts, True, args.budget, args.steps, args.seed)
-    flat_loss = train(model, rollouts, False, flat_variants[best], args.steps, args.seed)
-    print("step   loss tree      loss flat")
-    for n, (lt, lf) in enumerate(zip(tree_loss, flat_loss, strict=True), start=1):
-        print(f"{n:>4}   {lt:<13.7f}  {lf:<13.7f}")
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(tree_loss, flat_loss, strict=True))
-    print(f"max loss relative diff over {args.steps} AdamW steps: {loss_diff:.1e} (AdamW divides each "
-          "element's update by its gradient's size, so rounding of near-zero gradients grows step by "
-          "step; the one-step gradients above are the exact comparison)")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
+    print(f"\n4. {sizes.steps} AdamW steps from the same seed in each layout")
+    report_training(model, rollouts, sizes.budget, flat_budget, sizes.steps, seed)
