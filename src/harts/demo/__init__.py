@@ -29,8 +29,12 @@ longer measurement (a 1000-token system prompt, 4 turns of about 100 tokens, a 2
 3 repeats, 3 steps: about 37k flat tokens, several minutes on 2 cores); any size given on the
 command line overrides either preset.
 
+It runs torch on one thread unless ``--threads`` says otherwise: on a CPU shared with other work,
+OpenMP's barriers between threads can slow each step several-fold (the quick run took 4m46s on
+two threads and 1m46s on one on a 2-core machine at a load of 7-9), and the model is small.
+
 Usage: ``python -m harts.demo [--full] [--system-len N] [--turns N] [--turn-len N] [--budget N]
-[--repeats N] [--steps N] [--seed 0]``.
+[--repeats N] [--steps N] [--seed 0] [--threads 1]``.
 """
 
 from __future__ import annotations
@@ -95,8 +99,9 @@ def demo_trajectories(sizes: Sizes, seed: int = 0) -> list[list[int]]:
                    turn_len=sizes.turn_len, vocab_size=DEMO_MODEL["vocab_size"], seed=seed)  # fmt: skip
 
 
-def parse_sizes(argv: list[str] | None) -> tuple[Sizes, int]:
-    """(the run's sizes: the preset, ``--full`` or the quick default, with any size given; seed)."""
+def parse_args(argv: list[str] | None) -> tuple[Sizes, argparse.Namespace]:
+    """(the run's sizes: the preset, ``--full`` or the quick default, with any size given; the
+    other arguments: seed, threads)."""
     parser = argparse.ArgumentParser(prog="python -m harts.demo", description=__doc__.splitlines()[0])
     longer = "the longer measurement: about 37k flat tokens, several minutes on 2 cores"
     parser.add_argument("--full", action="store_true", help=longer)
@@ -112,14 +117,25 @@ def parse_sizes(argv: list[str] | None) -> tuple[Sizes, int]:
         default = f"default {getattr(QUICK, name)}; --full {getattr(FULL, name)}"
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"{text} ({default})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: module docstring)")
     args = parser.parse_args(argv)
     given = {name: getattr(args, name) for name in helps if getattr(args, name) is not None}
-    return dataclasses.replace(FULL if args.full else QUICK, **given), args.seed
+    return dataclasses.replace(FULL if args.full else QUICK, **given), args
 
 
 def main(argv: list[str] | None = None) -> None:
-    sizes, seed = parse_sizes(argv)
+    sizes, args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each line as it is printed, also into a pipe
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        run_demo(sizes, args.seed)
+    finally:  # a caller in the same process (the tests, harts' command) keeps its own setting
+        torch.set_num_threads(threads)
+
+
+def run_demo(sizes: Sizes, seed: int) -> None:
+    """The four parts of the module docstring, printed; SystemExit(1) when exactness fails."""
     torch.manual_seed(seed)
     model = demo_model(seed)
     trajectories = demo_trajectories(sizes, seed)
