@@ -51,6 +51,7 @@ from harts.runtime import (
     forest_logprobs,
     forward,
     forward_values,
+    image_forest,
     next_token_rows,
     score,
 )
@@ -59,6 +60,7 @@ from harts.steps import forest_step, moe_stats, rollout_step, value_step
 __all__ = [
     # forests and plans
     "Forest", "build_forest", "BatchLayout", "rollouts_from_batch", "read_rollouts", "iter_rollout_steps",
+    "image_forest",
     "turn_from_vllm", "turn_from_sglang", "turns_from_chat",
     "plan_micro_batches", "MicroBatchPlan", "Part",
     # running a model

@@ -122,6 +122,8 @@ class Forest:
     shares_prefixes: bool = True
     #: where each trajectory sat in the padded or packed batch it was built from (None for lists)
     batch_layout: BatchLayout | None = None
+    #: a multimodal forest's images and positions (harts.runtime.image_forest.ForestImages), or None
+    images: object | None = None
 
     # ---- counts -------------------------------------------------------------------------------
     @property

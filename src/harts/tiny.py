@@ -10,15 +10,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harts.adapters import adapter_for_type, supported_families
-from harts.adapters.base import all_families
+from harts.adapters.base import all_families, registered_adapter
 
-__all__ = ["ALL_FAMILIES", "FAMILIES", "tiny_config", "tiny_model"]
+__all__ = ["ALL_FAMILIES", "FAMILIES", "VISION_LANGUAGE_FAMILIES", "tiny_config", "tiny_model",
+           "tiny_vision_language_model"]  # fmt: skip
 
 #: every family harts has an adapter for, in registration order (adapters/__init__.py), including
 #: those the installed transformers lacks (tests parametrised over it skip them, saying why)
 ALL_FAMILIES = tuple(all_families())
 #: the families the installed transformers has, in the order above
 FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())
+#: the families whose multimodal model harts runs (an adapter with ``vision_language``), in the order above
+VISION_LANGUAGE_FAMILIES = tuple(
+    f for f in ALL_FAMILIES if getattr(registered_adapter(f), "vision_language", None) is not None
+)
 
 
 def tiny_config(family: str, **overrides):
@@ -39,3 +44,16 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.uniform_(-0.05, 0.05)
     return model.eval()
+
+
+def tiny_vision_language_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised tiny multimodal model of ``family`` (its ``*ForConditionalGeneration``:
+    the tiny text model of :func:`tiny_model` with ``overrides``, beside a two-block vision tower) in
+    eval mode."""
+    from transformers import AutoModelForImageTextToText
+
+    adapter = adapter_for_type(family)
+    config = adapter.vision_language.tiny_config(tiny_config(family, **overrides))
+    torch.manual_seed(seed)
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return AutoModelForImageTextToText.from_config(config, dtype=dtype, **extra).eval()

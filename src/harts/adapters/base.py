@@ -33,6 +33,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from harts.adapters.vision_language import VisionLanguage
+
 __all__ = [
     "TreeOps",
     "MoEBalancing",
@@ -128,6 +130,9 @@ class FamilyAdapter:
     # attribute of a decoder layer holding an attention that runs beside its mixer on the same input
     # (falcon_h1): the executor calls neither module's forward; the FLOP model counts both
     parallel_attention: str | None = None
+    # the family's multimodal wrapper (its vision tower, image token, M-RoPE positions), run as its
+    # text causal LM beside the tower (harts.adapters.vision_language); None: text only
+    vision_language: VisionLanguage | None = None
 
     def check_config(self, config) -> None:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks

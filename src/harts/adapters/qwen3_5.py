@@ -3,11 +3,12 @@ projections and grouped value heads; gated attention with partial (M)RoPE and ze
 norms; a dense MLP (``qwen3_5``) or a softmax-routed MoE with a gated shared expert trained with the
 Switch load-balancing loss (``qwen3_5_moe``).
 
-Only the text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; config types
-``qwen3_5_text`` / ``qwen3_5_moe_text``) run. The multimodal ``*ForConditionalGeneration`` wrappers
-(types ``qwen3_5`` / ``qwen3_5_moe``) are refused: their 3-axis MRoPE positions of image and video
-tokens are not path positions. For text tokens the three MRoPE axes carry the same position, so
-the rotary tables at path positions are exactly the stock ones.
+The text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; config types ``qwen3_5_text`` /
+``qwen3_5_moe_text``) run as they are; for text tokens the three MRoPE axes carry the same position,
+so the rotary tables at path positions are exactly the stock ones. The multimodal
+``*ForConditionalGeneration`` models (types ``qwen3_5`` / ``qwen3_5_moe``) run as their text causal
+LM beside their vision tower (:mod:`harts.adapters.qwen3_5_vision`): image features replace the
+image tokens' embeddings and the stock M-RoPE positions replace path positions; videos are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import partial
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
 from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projections
+from harts.adapters.qwen3_5_vision import Qwen3_5VisionLanguage
 
 __all__ = ["Qwen3_5Adapter", "Qwen3_5MoeAdapter"]
 
@@ -37,13 +39,14 @@ class Qwen3_5Adapter(FamilyAdapter):
     }
     stock_delta_rule_kernels = ("torch_chunk_gated_delta_rule",)
     small_overrides = {"qwen3_5": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)}
+    vision_language = Qwen3_5VisionLanguage("qwen3_5")
 
     def check_config(self, config) -> None:
         if hasattr(config, "text_config"):
             raise ValueError(
-                f"{self.family}: the multimodal {self.family} model (config type {config.model_type!r}) is "
-                f"not supported; harts runs the text causal LM: load it with AutoModelForCausalLM from "
-                f"the checkpoint's text_config ({config.model_type}_text)"
+                f"{self.family}: the multimodal {self.family} model (config type {config.model_type!r}) runs "
+                f"through harts' entry points, which take its text causal LM "
+                f"({config.model_type}_text) beside its vision tower; this adapter reads the text config"
             )
         heads_k, heads_v = config.linear_num_key_heads, config.linear_num_value_heads
         if heads_v % heads_k:
@@ -86,6 +89,7 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
     family = "qwen3_5_moe"
     router_class = "Qwen3_5MoeTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
+    vision_language = Qwen3_5VisionLanguage("qwen3_5_moe")
     small_overrides = {"qwen3_5_moe": dict(
         Qwen3_5Adapter.small_overrides["qwen3_5"], moe_intermediate_size=64,
         shared_expert_intermediate_size=64,

@@ -69,6 +69,10 @@ class Rollout:
       trajectory a group of its own.
     - ``first_error_position``: position of the first wrong step of a failed trajectory (pitfall
       advantages), in ``[0, L)``; None for a trajectory without a located error.
+    - ``pixel_values`` [P, W] and ``image_grid_thw`` [n, 3], or None: the trajectory's images as
+      the model's processor gives them (the rows of its images in order, and their grids), for a
+      multimodal model; checked against the model and its image tokens when the forest is built
+      (:func:`harts.image_forest`).
     """
 
     tokens: Any
@@ -81,6 +85,8 @@ class Rollout:
     first_error_position: int | None = None
     returns: Any = None
     values: Any = None
+    pixel_values: Any = None
+    image_grid_thw: Any = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -79,6 +79,7 @@ def split_long_nodes(forest: Forest, max_length: int) -> Forest:
         trajectory_length=forest.trajectory_length,
         node_trajectory=forest.node_trajectory[t(old_of_new)],
         shares_prefixes=forest.shares_prefixes,
+        images=forest.images,
     )
 
 

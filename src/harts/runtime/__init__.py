@@ -5,6 +5,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.critic import ForestScores, ForestValues, forward_values, score
 from harts.runtime.executor import TreeOutput, forward
 from harts.runtime.forward_only import ForestLogprobs, RowLogprobs, forest_logprobs, forest_row_logprobs
+from harts.runtime.image_forest import ForestImages, image_forest
 from harts.runtime.routers import RouterRecorder, find_routers
 from harts.runtime.verify import Verification, VerificationError
 
@@ -13,4 +14,5 @@ __all__ = [
     "PartObserver", "StepResult", "forest_backward", "next_token_rows",
     "forest_logprobs", "forest_row_logprobs", "ForestLogprobs", "RowLogprobs",
     "forward_values", "ForestValues", "score", "ForestScores", "VerificationError", "Verification",
+    "image_forest", "ForestImages",
 ]  # fmt: skip

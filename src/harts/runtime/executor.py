@@ -28,6 +28,7 @@ from harts.ops.logprobs import DEFAULT_CHUNK_ROWS, head_token_logprobs, softcap_
 from harts.plan.layout import TreeLayout
 from harts.runtime.config import RunConfig
 from harts.runtime.handoff import LayerHandoff, MixerContext
+from harts.runtime.image_inputs import check_forest_images, embed_images, rope_positions
 from harts.runtime.model_checks import check_model, hooked, resolve_model
 from harts.runtime.sharded import PartSegments, ShardedStep
 
@@ -165,6 +166,7 @@ def check_inputs(model: nn.Module, forest: Forest) -> None:
     if not isinstance(forest, Forest):
         raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
     forest.check_vocabulary(model.config.vocab_size)
+    check_forest_images(model, forest)
 
 
 def run_layout(
@@ -186,11 +188,11 @@ def run_layout(
     backbone = adapter.backbone(model)
     layers = backbone.layers[: model.config.num_hidden_layers]
     mixers = [adapter.mixer(layer, adapter.layer_type(model, i)) for i, layer in enumerate(layers)]
-    hidden = adapter.embedding(backbone)(layout.tokens)[None]  # [1, n, D]
+    hidden = embed_images(model, layout, adapter.embedding(backbone)(layout.tokens)[None])  # [1, n, D]
     if sharded is not None:
         hidden = sharded.embedded(hidden, segments)
     rotary = adapter.rotary(backbone)
-    position_embeddings = rotary(hidden, layout.positions[None]) if rotary is not None else None
+    position_embeddings = rotary(hidden, rope_positions(layout)) if rotary is not None else None
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
 
     def mlp(layer, x):

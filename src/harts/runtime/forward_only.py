@@ -48,6 +48,8 @@ from harts.runtime.backward import FSDP_VERIFY, run_schedule
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import data_parallel, forward_only_step
 from harts.runtime.executor import check_inputs, resolve_model, run_backend
+from harts.runtime.image_forest import has_images, image_forest
+from harts.runtime.image_inputs import image_features_once
 from harts.runtime.model_checks import sharded_step
 from harts.runtime.readout import Readout, readout_for
 from harts.runtime.step_parts import PartObserver, StepParts, check_rows
@@ -171,7 +173,8 @@ def forest_row_readout(
     gathered = forward_only_step(wrapped, run.fsdp_overlap)
     with torch.no_grad(), gathered as (_, sharded), run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, None, run, PartObserver(), readout, sharded)
-        run_schedule(parts, parts.schedule(LossForm.NONE))
+        with image_features_once(model, forest):
+            run_schedule(parts, parts.schedule(LossForm.NONE))
     timings = {
         "plan": parts.clock.seconds["plan"] + parts.layout_seconds,
         "handoff": parts.clock.seconds["handoff"],
@@ -196,8 +199,10 @@ def _verify(wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig
                   gradients=False, what="a forward-only pass")  # fmt: skip
 
 
-def forest_and_masks(inputs, share_prefixes: bool) -> tuple[Forest, list | None]:
-    """The forest of ``inputs`` and, for rollouts, their loss masks (None where absent)."""
+def forest_and_masks(inputs, share_prefixes: bool, model: nn.Module | None = None
+                     ) -> tuple[Forest, list | None]:  # fmt: skip
+    """The forest of ``inputs`` and, for rollouts, their loss masks (None where absent). Rollouts
+    with images need the multimodal ``model`` they run on (:func:`harts.image_forest`)."""
     if isinstance(inputs, Forest):
         if not share_prefixes:
             raise ValueError(
@@ -210,8 +215,12 @@ def forest_and_masks(inputs, share_prefixes: bool) -> tuple[Forest, list | None]
             f"got {type(inputs).__name__}"
         )
     if inputs and all(hasattr(r, "tokens") for r in inputs):  # harts.Rollout and the like
-        return build_forest([r.tokens for r in inputs], share_prefixes), [getattr(r, "loss_mask", None)
-                                                                          for r in inputs]  # fmt: skip
+        masks = [getattr(r, "loss_mask", None) for r in inputs]
+        if has_images(inputs):
+            if model is None:
+                raise ValueError("rollouts with images are run by forest_logprobs and the training step only")
+            return image_forest(forward_only_model(model), inputs, share_prefixes), masks
+        return build_forest([r.tokens for r in inputs], share_prefixes), masks
     return build_forest(inputs, share_prefixes), None
 
 
@@ -259,7 +268,7 @@ def forest_logprobs(
     ref_logprobs=...)`` or ``rollout_logprobs=...``. No autograd, whatever the grad mode
     (module docstring). Every check runs before any compute.
     """
-    forest, masks = forest_and_masks(inputs, share_prefixes)
+    forest, masks = forest_and_masks(inputs, share_prefixes, model)
     lengths = forest.trajectory_length.tolist()
     if loss_positions_only:
         if masks is None:

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from harts.adapters import adapter_for
+from harts.adapters.base import registered_adapter
+from harts.adapters.vision_language import text_view
 
 __all__ = ["resolve_model", "check_model", "hooked", "sharded_step"]
 
@@ -60,7 +62,8 @@ def _distributed_wrapper(module: nn.Module) -> str | None:
 
 
 def resolve_model(model: nn.Module) -> nn.Module:
-    """The causal LM that harts runs: ``model`` with compile and peft wrappers removed.
+    """The causal LM that harts runs: ``model`` with compile and peft wrappers removed, a multimodal
+    model as its text causal LM beside its vision tower.
 
     Raises ValueError (TypeError for a non-module) for a wrapper harts cannot run exactly.
     """
@@ -88,8 +91,16 @@ def resolve_model(model: nn.Module) -> nn.Module:
                 )
             model = model.get_base_model()
             continue
-        return model
-    return model
+        return _text_causal_lm(model)
+    return _text_causal_lm(model)
+
+
+def _text_causal_lm(model: nn.Module) -> nn.Module:
+    """A multimodal model's text causal LM beside its vision tower (:class:`~harts.adapters.
+    vision_language.TextView`), which harts runs; any other model as it is."""
+    adapter = registered_adapter(getattr(getattr(model, "config", None), "model_type", None))
+    view = text_view(model, adapter.vision_language) if adapter is not None else None
+    return view if view is not None else model
 
 
 # Hooks that do nothing outside the stock forward that installed them: transformers' output

@@ -272,6 +272,11 @@ def verify_sample(
     run); with ``loss`` (``gradients``), a training pass that accumulates that loss's gradients
     into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs)."""
+    if getattr(model, "vision_language", None) is not None:
+        raise ValueError(
+            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
+            "multimodal model's images: verify its text model, or leave verify off"
+        )
     began = time.perf_counter()
     values = isinstance(readout, ScalarReadout)
     sample = sample_spans(forest)

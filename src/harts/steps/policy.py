@@ -44,6 +44,8 @@ from harts.runtime.backward import FSDP_VERIFY, forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
+from harts.runtime.image_forest import has_images, image_forest
+from harts.runtime.image_inputs import image_features_once
 from harts.runtime.result import StepResult, replace_result
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.verify import Verification
@@ -153,7 +155,7 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     observer = (
         MoEObserver(recorder, aux_coef, _agreement(dp, recorder, aux_coef)) if recorder is not None else None
     )
-    with recorder if recorder is not None else nullcontext():
+    with recorder if recorder is not None else nullcontext(), image_features_once(model, forest):
         result = forest_backward(
             model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
             temperature=config.temperature, sharded=dp.sharded if dp is not None else None,
@@ -227,8 +229,12 @@ def step_inputs(
     too) before anything is built: what :func:`rollout_step` runs :func:`forest_step` on, for a
     caller that changes the rows in between (advantages estimated on the step, say)."""
     base = resolve_model(model) if data_parallel(model) is None else unwrap_data_parallel(model)
-    checked = validate_rollouts(rollouts, vocab_size=base.config.vocab_size)
-    forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
+    text_config = getattr(base.config, "text_config", None) or base.config  # a multimodal model's text LM
+    checked = validate_rollouts(rollouts, vocab_size=text_config.vocab_size)
+    if has_images(rollouts):  # prefixes shared where ids and images agree, M-RoPE positions
+        forest = image_forest(base, rollouts, share_prefixes)
+    else:
+        forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
     return forest, build_loss_rows(forest, rollouts)
 
 
