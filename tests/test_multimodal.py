@@ -24,7 +24,7 @@ import torch
 
 import harts
 from harts.runtime.forward_only import forest_and_masks
-from harts.runtime.image_forest import image_forest
+from harts.runtime.image_forest import image_forest, refuse_sharded
 from harts.tiny import FAMILIES, VISION_LANGUAGE_FAMILIES, tiny_model, tiny_vision_language_model
 from tests.reference import (
     GRAD_RTOL,
@@ -330,7 +330,19 @@ def test_images_without_their_model_are_refused():
             model, rollouts, harts.PolicyLossConfig(kind="sft"), run=harts.RunConfig(verify=True)
         )
     with pytest.raises(ValueError, match="rollouts with images"):
-        forest_and_masks(rollouts, True)
+        forest_and_masks(rollouts, True)  # the critic's and reward model's passes
+
+
+def test_a_sharded_multimodal_model_is_refused():
+    """FSDP2 shards parameters into DTensors; the sharded step gathers decoder units only."""
+
+    class DTensor(torch.nn.Parameter):
+        pass
+
+    sharded = torch.nn.Module()
+    sharded.weight = DTensor(torch.zeros(2))
+    with pytest.raises(ValueError, match="sharded by FSDP2 is not supported"):
+        refuse_sharded(sharded)
 
 
 def test_text_rollouts_on_the_multimodal_model_equal_stock():
@@ -375,3 +387,10 @@ def test_moe_statistics_with_images_equal_the_flat_batch():
     assert abs(float(results[0].moe.aux_loss) - float(results[1].moe.aux_loss)) <= 1e-6
     errors = grad_relative_errors(grads[1], grads[0])
     assert max(errors.values()) <= GRAD_RTOL, max(errors, key=errors.get)
+
+
+def test_rollout_files_with_images_are_refused(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"tokens": [3, 4, 5], "pixel_values": [[0.5]], "image_grid_thw": [[1, 2, 2]]}\n')
+    with pytest.raises(ValueError, match="line 1, field 'pixel_values': rollout files hold token ids"):
+        harts.read_rollouts(path)

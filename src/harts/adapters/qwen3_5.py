@@ -45,8 +45,8 @@ class Qwen3_5Adapter(FamilyAdapter):
         if hasattr(config, "text_config"):
             raise ValueError(
                 f"{self.family}: the multimodal {self.family} model (config type {config.model_type!r}) runs "
-                f"through harts' entry points, which take its text causal LM "
-                f"({config.model_type}_text) beside its vision tower; this adapter reads the text config"
+                f"as its *ForConditionalGeneration, whose text causal LM ({config.model_type}_text) harts "
+                f"takes beside its vision tower; other heads over the multimodal model are not supported"
             )
         heads_k, heads_v = config.linear_num_key_heads, config.linear_num_value_heads
         if heads_v % heads_k:

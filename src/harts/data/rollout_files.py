@@ -168,6 +168,18 @@ def _field_error(where: str, message: str) -> ValueError:
     return ValueError(f"{where}, {message}")
 
 
+def _refuse_images(where: str, record: dict) -> None:
+    """Images are not read from files: a line with the processor's image fields would otherwise keep
+    them as metadata and train its image tokens as text."""
+    for name in ("pixel_values", "image_grid_thw"):
+        if name in record:
+            raise _field_error(
+                where,
+                f"field {name!r}: rollout files hold token ids only, not images; give the multimodal model's "
+                f"rollouts to harts.rollout_step as harts.Rollout(..., pixel_values=..., image_grid_thw=...)",
+            )
+
+
 def _reward_and_group(where: str, record: dict) -> tuple[Any, Any]:
     reward = record.get("reward")
     if isinstance(reward, float) and math.isnan(reward):
@@ -343,6 +355,7 @@ def iter_rollouts(
                 f"form; a file holds one form",
             )
         _check_names(where, record, form, names)
+        _refuse_images(where, record)
         if form == "chat":
             yield _chat_rollout(where, record, tokenizer, vocab_size)
         elif form == "turns":

@@ -34,7 +34,9 @@ from torch import nn
 from harts.adapters.vision_language import TextView, VisionLanguage
 from harts.forest import Forest, as_token_array, build_forest
 
-__all__ = ["ForestImages", "image_forest", "has_images", "TrajectoryImages", "trajectory_images"]
+__all__ = [
+    "ForestImages", "image_forest", "has_images", "TrajectoryImages", "trajectory_images", "refuse_sharded",
+]  # fmt: skip
 
 Tensor = torch.Tensor
 
@@ -279,6 +281,16 @@ def _positions(view: TextView, forest: Forest, trajectories: list[TrajectoryImag
     return positions
 
 
+def refuse_sharded(model: nn.Module) -> None:
+    """A multimodal model sharded by FSDP2 is refused: the vision tower's features feed every
+    micro-batch, and the sharded step gathers and reduces the decoder's units only."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            "a multimodal model sharded by FSDP2 is not supported (the sharded step gathers the decoder's "
+            "units only, not the vision tower's): train it with one process or DDP"
+        )
+
+
 def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = True) -> Forest:
     """The forest of ``rollouts`` (anything with ``tokens``, ``pixel_values`` and
     ``image_grid_thw``; those without images are text) for the multimodal ``model`` (a
@@ -291,6 +303,7 @@ def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = Tr
     if view is None:
         from harts.runtime.model_checks import resolve_model
 
+        refuse_sharded(model)
         view = resolve_model(model)
     if not isinstance(view, TextView):
         raise ValueError(

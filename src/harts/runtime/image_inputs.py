@@ -20,7 +20,7 @@ The vision tower runs on the forest's distinct images, each once:
 
 :func:`check_forest_images` refuses, before any compute, a forest whose images would be dropped or
 misread: images without a vision tower, a multimodal model's image tokens without images (a
-forest built from ids alone), images under FSDP2.
+forest built from ids alone), a multimodal model under FSDP2.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from harts.adapters.vision_language import TextView
 from harts.forest import Forest
 from harts.ops.precision import no_autocast
 from harts.plan.layout import TreeLayout
-from harts.runtime.image_forest import ForestImages
+from harts.runtime.image_forest import ForestImages, refuse_sharded
 
 __all__ = ["check_forest_images", "rope_positions", "embed_images", "image_features_once"]
 
@@ -62,6 +62,7 @@ def check_forest_images(model: nn.Module, forest: Forest) -> None:
                 f"multimodal model it was built for"
             )
         return
+    refuse_sharded(model.multimodal)
     vision_language, config = model.vision_language, model.multimodal.config
     if images is None:
         special = {vision_language.image_token_id(config): "image token"}
@@ -85,13 +86,7 @@ def check_forest_images(model: nn.Module, forest: Forest) -> None:
             f"the forest's pixel rows hold {images.pixel_values.shape[1]} values, the model's patches "
             f"{width}: build the forest with the model it runs on"
         )
-    tower = model.vision_tower
-    if any(type(p).__name__ == "DTensor" for p in [*tower.parameters(), *model.parameters()]):
-        raise ValueError(
-            "images under FSDP2 are not supported: the vision tower's features feed every micro-batch, and "
-            "the sharded step gathers decoder layers only; train on images with one process or DDP"
-        )
-    meta = next((name for name, p in tower.named_parameters() if p.is_meta), None)
+    meta = next((name for name, p in model.vision_tower.named_parameters() if p.is_meta), None)
     if meta is not None:
         raise ValueError(f"vision tower parameter {meta} is on the meta device: load the weights first")
 
