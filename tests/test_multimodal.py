@@ -394,3 +394,19 @@ def test_rollout_files_with_images_are_refused(tmp_path):
     path.write_text('{"tokens": [3, 4, 5], "pixel_values": [[0.5]], "image_grid_thw": [[1, 2, 2]]}\n')
     with pytest.raises(ValueError, match="line 1, field 'pixel_values': rollout files hold token ids"):
         harts.read_rollouts(path)
+
+
+def test_gui_agent_bench_counts_the_vision_tower_once_per_distinct_image():
+    """The benchmark's shape shares screenshots up to each branch turn; its FLOP model counts the
+    tower per distinct image in the tree and per occurrence in the flat layout."""
+    from harts.bench.gui_agent import GuiShape, gui_rollouts, measure
+
+    shape = GuiShape(tasks=1, rollouts_per_task=3, turns=2, system_tokens=8, instruction_tokens=4,
+                     action_tokens=3, grid=(4, 4))  # fmt: skip
+    rollouts = gui_rollouts(vlm("qwen3_5"), shape)
+    assert all(len(r.image_grid_thw) == shape.turns for r in rollouts)
+    result = measure("qwen3_5", shape, budget=20, repeats=1, size="tiny")
+    per_image = result["tower_flops_flat"] // result["images"]
+    assert result["tower_flops_tree"] == per_image * result["distinct_images"]
+    assert result["distinct_images"] < result["images"] == shape.rollouts_per_task * shape.turns
+    assert result["ideal_speedup"] > 1 and result["redundancy"] > 1

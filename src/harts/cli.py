@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
     "bench-overhead": "time outside model compute in a budgeted step, 1M-token forest (harts.bench.overhead)",
     "bench-checkpointing": "memory and time with gradient checkpointing (harts.bench.checkpointing)",
+    "bench-gui": "GUI-agent forests, a screenshot per turn: multimodal tree vs flat (harts.bench.gui_agent)",
 }
 
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         from harts.bench.run import main as run
     elif args.command == "bench-overhead":
         from harts.bench.overhead import main as run
+    elif args.command == "bench-gui":
+        from harts.bench.gui_agent import main as run
     else:
         from harts.bench.checkpointing import main as run
     try:

@@ -46,14 +46,15 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     return model.eval()
 
 
-def tiny_vision_language_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+def tiny_vision_language_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                               vision: dict | None = None, **overrides):  # fmt: skip
     """A randomly initialised tiny multimodal model of ``family`` (its ``*ForConditionalGeneration``:
-    the tiny text model of :func:`tiny_model` with ``overrides``, beside a two-block vision tower) in
-    eval mode."""
+    the tiny text model of :func:`tiny_model` with ``overrides``, beside a two-block vision tower
+    with ``vision``'s fields) in eval mode."""
     from transformers import AutoModelForImageTextToText
 
     adapter = adapter_for_type(family)
-    config = adapter.vision_language.tiny_config(tiny_config(family, **overrides))
+    config = adapter.vision_language.tiny_config(tiny_config(family, **overrides), **(vision or {}))
     torch.manual_seed(seed)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     return AutoModelForImageTextToText.from_config(config, dtype=dtype, **extra).eval()

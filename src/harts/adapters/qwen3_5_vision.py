@@ -45,6 +45,10 @@ class Qwen3_5VisionLanguage(VisionLanguage):
     def image_token_id(self, config) -> int:
         return int(config.image_token_id)
 
+    def image_placeholder(self, config, tokens: int) -> list[int]:
+        image = self.image_token_id(config)
+        return [int(config.vision_start_token_id), *[image] * tokens, int(config.vision_end_token_id)]
+
     def refused_token_ids(self, config) -> dict[int, str]:
         return {int(config.video_token_id): "video token (videos are not run by harts)"}
 
@@ -66,6 +70,22 @@ class Qwen3_5VisionLanguage(VisionLanguage):
     def image_features(self, model, pixel_values, grid_thw):
         out = model.model.get_image_features(pixel_values, grid_thw, return_dict=True)
         return torch.cat(out.pooler_output, dim=0)
+
+    def image_flops(self, model, grid_thw) -> int:
+        """The tower's matmuls: the patch embedding and every block's projections per patch, the
+        block's attention over the image's frame (``h * w`` keys per patch, queries and values of
+        the block's width), and the merger per image token."""
+        tower = self.vision_tower(model)
+        t, h, w = (int(x) for x in grid_thw)
+        patches, merge = t * h * w, int(tower.spatial_merge_size)
+
+        def matmul_weights(module) -> int:
+            return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+        per_patch = 2 * tower.patch_embed.proj.weight.numel()
+        for block in tower.blocks:
+            per_patch += 2 * matmul_weights(block) + 4 * block.attn.dim * h * w
+        return patches * per_patch + patches // merge**2 * 2 * matmul_weights(tower.merger)
 
     def tiny_config(self, text_config, **vision_overrides):
         """A toy multimodal configuration around the family's tiny ``text_config``: the tower of

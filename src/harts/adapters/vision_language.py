@@ -56,6 +56,11 @@ class VisionLanguage:
     def image_token_id(self, config) -> int:
         raise NotImplementedError
 
+    def image_placeholder(self, config, tokens: int) -> list[int]:
+        """The ids the processor writes for an image of ``tokens`` image tokens (its markers
+        around them): what synthetic rollouts put in the text."""
+        raise NotImplementedError
+
     def refused_token_ids(self, config) -> dict[int, str]:
         """Token ids of inputs harts does not run (videos), each with what it stands for."""
         return {}
@@ -80,6 +85,10 @@ class VisionLanguage:
         """[F, D] the tower's output for images ``grid_thw`` [n, 3] whose rows are ``pixel_values``
         [P, W] (the stock forward's ``get_image_features``), image after image, in the text
         model's hidden size: the rows that replace the image tokens' embeddings."""
+        raise NotImplementedError
+
+    def image_flops(self, model: nn.Module, grid_thw) -> int:
+        """Forward FLOPs of the tower on one image of grid (t, h, w) (the FLOP model's term)."""
         raise NotImplementedError
 
 
