@@ -348,12 +348,15 @@ def test_a_sharded_multimodal_model_is_refused():
 def test_text_rollouts_on_the_multimodal_model_equal_stock():
     model = vlm("qwen3_5")
     rollouts = [rollout(SYSTEM, [40, 41, 42]), rollout(SYSTEM, [40, 43])]
-    out = harts.forest_logprobs(model, rollouts, budget_tokens=3)
-    with torch.no_grad():
-        for i, r in enumerate(rollouts):
-            ids = torch.as_tensor(r.tokens)
-            stock = torch.log_softmax(stock_logits(model, r)[:-1], -1).gather(1, ids[1:, None])[:, 0]
-            assert (out.logprobs[i][1:] - stock).abs().max() <= LOGIT_ATOL
+    forest = image_forest(model, rollouts)  # no images: path positions, no feature rows
+    assert forest.images.num_images == 0 and bool((forest.images.token_feature_row == -1).all())
+    for inputs in (rollouts, forest):
+        out = harts.forest_logprobs(model, inputs, budget_tokens=3)
+        with torch.no_grad():
+            for i, r in enumerate(rollouts):
+                ids = torch.as_tensor(r.tokens)
+                stock = torch.log_softmax(stock_logits(model, r)[:-1], -1).gather(1, ids[1:, None])[:, 0]
+                assert (out.logprobs[i][1:] - stock).abs().max() <= LOGIT_ATOL
 
 
 @pytest.mark.skipif("qwen3_5_moe" not in FAMILIES, reason="qwen3_5_moe not installed")

@@ -325,7 +325,9 @@ def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = Tr
     is_image = forest.tokens >= base
     offset = (forest.tokens - base).clamp(min=0)
     feature_start = torch.from_numpy(np.cumsum(tokens_per_image) - tokens_per_image)
-    feature_row = torch.where(is_image, feature_start[offset // stride] + offset % stride, -1)
+    image = (offset // stride).clamp(max=max(len(distinct.digests) - 1, 0))
+    starts = feature_start[image] if len(distinct.digests) else torch.zeros_like(image)
+    feature_row = torch.where(is_image, starts + offset % stride, -1)
     forest = dataclasses.replace(forest, tokens=torch.where(is_image, spec.image_token_id, forest.tokens))
     grids = (
         torch.from_numpy(np.stack(distinct.grids)) if distinct.grids else torch.zeros(0, 3, dtype=torch.long)
