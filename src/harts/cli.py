@@ -17,7 +17,7 @@ __all__ = ["main"]
 COMMANDS = {
     "train": "a training run from a TOML config, with checkpoints and resume (harts.trainer.command)",
     "rl": "online RL with tree rollouts on a built-in multi-turn task, tree or flat (harts.rl.command)",
-    "demo": "training steps in tree vs flat layout on a small Ling 3 model (harts.demo)",
+    "demo": "a small Ling 3 model: the tree step against stock HF, then speed and memory (harts.demo)",
     "analyze": "how much a rollout file shares, the ideal speedup, a picture (harts.analyze)",
     "bench": "tree vs flat vs stock per-trajectory training on rollout-forest shapes (harts.bench.run)",
     "bench-overhead": "time outside model compute in a budgeted step, 1M-token forest (harts.bench.overhead)",
