@@ -275,6 +275,19 @@ def test_positions_are_the_stock_mrope_positions():
     assert int(forest.images.token_positions[0, last]) < int(forest.token_position[last])
 
 
+def test_positions_that_disagree_on_a_shared_token_are_caught(monkeypatch):
+    """The build checks that every trajectory through a token gives it the same position: a rotary
+    index that depended on more than the prefix would fail there, not run."""
+    from harts.adapters.qwen3_5_vision import Qwen3_5VisionLanguage
+
+    stock = Qwen3_5VisionLanguage.rope_index
+    calls = iter(range(100))
+    monkeypatch.setattr(Qwen3_5VisionLanguage, "rope_index",
+                        lambda self, *args: stock(self, *args) + next(calls))  # fmt: skip
+    with pytest.raises(AssertionError, match="trajectory 0: a shared token's M-RoPE position differs"):
+        image_forest(vlm("qwen3_5"), gui_rollouts())
+
+
 # ---- checks before any compute -------------------------------------------------------------------
 def _with(r: harts.Rollout, **changes) -> harts.Rollout:
     return dataclasses.replace(r, **changes)
