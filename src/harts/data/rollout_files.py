@@ -4,7 +4,9 @@ Two forms (docs/rollout_files.md has every field and an example of each):
 
 - **token form**: the fields of :class:`harts.Rollout`: ``tokens`` (required), ``loss_mask``,
   ``rollout_logprobs``, ``ref_logprobs``, ``advantages`` (a list, or one number for every
-  position), ``reward``, ``group_id``, ``first_error_position``.
+  position), ``reward``, ``group_id``, ``first_error_position``, and for a multimodal model
+  ``images`` (keys of pixel rows in a safetensors file, with their grids; optional ``image_file``:
+  :mod:`harts.data.rollout_images`), read as ``pixel_values`` and ``image_grid_thw``.
 - **chat form**: ``messages`` (a conversation, :mod:`harts.data.chat`), optional ``tools`` (the
   tool schemas the template renders), ``reward``, ``group_id`` and ``advantages`` (one number). It
   is tokenised with the chat template of the ``tokenizer`` the reader is given (a local directory
@@ -47,12 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from harts.data.chat import load_tokenizer, resembles, tokenize_chat
+from harts.data.rollout_images import IMAGE_FIELDS, ImageStore
 from harts.data.turns import TURNS_FIELDS, TURNS_MARKERS, ContextDriftWarning, check_turn, stitch_trajectory
 from harts.objectives.rollout import Rollout, validate_rollouts
 
 __all__ = [
     "FileRollout", "iter_rollouts", "read_rollouts", "iter_rollout_steps", "iter_file_steps",
-    "ROLLOUT_FIELDS", "CHAT_FIELDS", "TURNS_FIELDS", "STEP_ANNOTATIONS", "ContextDriftWarning",
+    "ROLLOUT_FIELDS", "CHAT_FIELDS", "TURNS_FIELDS", "IMAGE_FIELDS", "STEP_ANNOTATIONS",
+    "ContextDriftWarning",
 ]  # fmt: skip
 
 ROLLOUT_FIELDS = (
@@ -88,8 +92,10 @@ _FITS = {
     "prompt_token_ids": lambda v: isinstance(v, (list, tuple)),
     "completion_token_ids": lambda v: isinstance(v, (list, tuple)),
     "completion_logprobs": lambda v: isinstance(v, (list, tuple)),
+    "images": lambda v: isinstance(v, (list, tuple, str)),
+    "image_file": lambda v: isinstance(v, str),
 }
-_FORM_FIELDS = {"tokens": ROLLOUT_FIELDS, "chat": CHAT_FIELDS, "turns": TURNS_FIELDS}
+_FORM_FIELDS = {"tokens": (*ROLLOUT_FIELDS, *IMAGE_FIELDS), "chat": CHAT_FIELDS, "turns": TURNS_FIELDS}
 
 
 def _check_names(where: str, record: dict, form: str, cache: dict) -> None:
@@ -168,15 +174,24 @@ def _field_error(where: str, message: str) -> ValueError:
     return ValueError(f"{where}, {message}")
 
 
-def _refuse_images(where: str, record: dict) -> None:
-    """Images are not read from files: a line with the processor's image fields would otherwise keep
+def _refuse_images(where: str, record: dict, form: str) -> None:
+    """Images are read by reference in the token form only (:mod:`harts.data.rollout_images`): a line
+    with the processor's image fields inline, or with images in another form, would otherwise keep
     them as metadata and train its image tokens as text."""
     for name in ("pixel_values", "image_grid_thw"):
         if name in record:
             raise _field_error(
                 where,
-                f"field {name!r}: rollout files hold token ids only, not images; give the multimodal model's "
-                f"rollouts to harts.rollout_step as harts.Rollout(..., pixel_values=..., image_grid_thw=...)",
+                f"field {name!r}: rollout files hold token ids only, not images inline; name the line's "
+                f'images in \'images\' ([{{"key": ..., "grid": [t, h, w]}}, ...]) and put their pixel rows '
+                f"under those keys in a safetensors file (docs/rollout_files.md, images)",
+            )
+    for name in IMAGE_FIELDS:
+        if form != "tokens" and record.get(name) is not None:
+            raise _field_error(
+                where,
+                f"field {name!r}: images are read in the token form only (the {form} "
+                f"form's token ids are derived, so image tokens would not line up)",
             )
 
 
@@ -198,7 +213,8 @@ def _validated(where: str, rollout: Rollout, vocab_size: int | None) -> None:
         raise type(exc)(f"{where}{str(exc).removeprefix('trajectory 0')}") from None
 
 
-def _rollout(where: str, record: dict, vocab_size: int | None = None) -> FileRollout:
+def _rollout(where: str, record: dict, vocab_size: int | None = None, images: ImageStore | None = None
+             ) -> FileRollout:  # fmt: skip
     if "tokens" not in record or record["tokens"] is None:
         raise _field_error(
             where, "field 'tokens': missing (every line needs its token ids, or 'messages' in the chat form)"
@@ -212,6 +228,7 @@ def _rollout(where: str, record: dict, vocab_size: int | None = None) -> FileRol
         kind = type(advantages).__name__
         raise _field_error(where, f"field 'advantages': expected a list or a number, got {kind}")
     reward, group = _reward_and_group(where, record)
+    pixels = images.pixels(where, record) if images is not None else None
     rollout = Rollout(
         tokens=record["tokens"],
         loss_mask=record.get("loss_mask"),
@@ -221,9 +238,11 @@ def _rollout(where: str, record: dict, vocab_size: int | None = None) -> FileRol
         reward=reward,
         group_id=group,
         first_error_position=record.get("first_error_position"),
+        pixel_values=None if pixels is None else pixels[0],
+        image_grid_thw=None if pixels is None else pixels[1],
     )
     _validated(where, rollout, vocab_size)
-    metadata = {k: v for k, v in record.items() if k not in ROLLOUT_FIELDS}
+    metadata = {k: v for k, v in record.items() if k not in ROLLOUT_FIELDS and k not in IMAGE_FIELDS}
     return FileRollout(rollout, where, metadata)
 
 
@@ -340,6 +359,7 @@ def iter_rollouts(
     first: tuple[str, str] | None = None  # (form, where) of the first line: the file's form
     names: dict = {}  # (field name, known names) -> the field it resembles, or None
     turns = _Turns(vocab_size, split_drift)
+    images = ImageStore(path)  # each image read once in the pass
     split: list[str] = []
     for where, record in _records(path):
         form = _form(record)
@@ -355,7 +375,7 @@ def iter_rollouts(
                 f"form; a file holds one form",
             )
         _check_names(where, record, form, names)
-        _refuse_images(where, record)
+        _refuse_images(where, record, form)
         if form == "chat":
             yield _chat_rollout(where, record, tokenizer, vocab_size)
         elif form == "turns":
@@ -363,7 +383,7 @@ def iter_rollouts(
                 split += [item.drift] if item.piece[0] == 0 and item.piece[1] > 1 else []
                 yield item
         else:
-            yield _rollout(where, record, vocab_size)
+            yield _rollout(where, record, vocab_size, images)
     for item in turns.flush():
         split += [item.drift] if item.piece[0] == 0 and item.piece[1] > 1 else []
         yield item
