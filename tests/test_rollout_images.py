@@ -6,6 +6,7 @@ and the image."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -144,3 +145,73 @@ def test_image_fields_out_of_place_are_refused(tmp_path):
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             harts.read_rollouts(write(tmp_path, [record]), tokenizer=None)
+
+
+# ---- harts train on a multimodal checkpoint ---------------------------------------------------
+def saved_vlm(tmp_path):
+    from harts.tiny import VISION_LANGUAGE_FAMILIES, tiny_vision_language_model
+
+    if "qwen3_5" not in VISION_LANGUAGE_FAMILIES:
+        pytest.skip("qwen3_5 not installed")
+    tiny_vision_language_model("qwen3_5", seed=7).save_pretrained(tmp_path / "vlm")
+    return tmp_path / "vlm"
+
+
+def image_run_config(tmp_path, model: dict, **sections):
+    from tests.helpers import write_config
+
+    data = {"path": str(write(tmp_path)), "rollouts_per_step": 2}
+    return write_config(tmp_path / "run.toml", {"steps": 2, "max_grad_norm": 0.0}, model=model, data=data,
+                        optimizer={"lr": 1e-3, "weight_decay": 0.0}, **sections)  # fmt: skip
+
+
+def test_harts_train_on_rollouts_with_images_equals_rollout_step(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from harts.trainer.inputs import own_memory
+    from tests.helpers import run_train
+
+    path = saved_vlm(tmp_path)
+    assert run_train(image_run_config(tmp_path, {"path": str(path), "tiny": None}), tmp_path / "out") == 0
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).train()
+    own_memory(model)  # as harts train holds the weights it loads
+    first = next(harts.iter_rollout_steps(write(tmp_path), 2))
+    assert len(first) == 3 and first[1].pixel_values is not None
+    result = harts.rollout_step(model, first, harts.PolicyLossConfig(kind="sft"))
+    assert records[0]["loss"] == float(result.loss)
+
+    trained = AutoModelForImageTextToText.from_pretrained(tmp_path / "out" / "checkpoints" / "step-000002")
+    before, after = model.state_dict(), trained.state_dict()
+    tower = [k for k in before if ".visual." in f".{k}"]
+    assert tower and any(not torch.equal(before[k], after[k]) for k in tower)  # the vision tower trained
+
+
+REFUSED = [
+    ({"tiny": "llama"}, {}, "model.tiny = 'llama': .*line 1 carries images, and llama has no vision tower"),
+    ({"tiny": "qwen3_5"}, {"lora": {"r": 4, "alpha": 8.0}}, r"\[lora\]: not with images yet \(.*line 1"),
+    ({"tiny": "qwen3_5"}, {"objective": {"kind": "sft", "kl_coef": 0.1}, "reference": {"model": "initial"}},
+     r"\[reference\]: not with images yet"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=["no tower", "lora", "reference"])
+def test_harts_train_refuses_what_images_cannot_run_with(tmp_path, capsys, case):
+    from tests.helpers import run_train
+
+    model, sections, match = case
+    assert run_train(image_run_config(tmp_path, model, **sections), tmp_path / "out") != 0
+    assert re.search(match, capsys.readouterr().err), match
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_images_with_a_text_checkpoint_are_refused_before_it_loads(tmp_path, capsys):
+    from harts.tiny import tiny_model
+    from tests.helpers import run_train
+
+    tiny_model("qwen3_5").save_pretrained(tmp_path / "text")
+    config = image_run_config(tmp_path, {"path": str(tmp_path / "text"), "tiny": None})
+    assert run_train(config, tmp_path / "out") != 0
+    assert "is no multimodal model harts runs images on" in capsys.readouterr().err

@@ -31,7 +31,7 @@ import torch
 from harts.data.rollout_files import drift_line, iter_file_steps
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
-from harts.tiny import tiny_config, tiny_model
+from harts.tiny import tiny_config, tiny_model, tiny_vision_language_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
 __all__ = [
@@ -107,9 +107,12 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None) -> torch.nn.Module:
-    """The model to train: from ``checkpoint`` when resuming, else ``config.path`` or a tiny model."""
-    from transformers import AutoModelForCausalLM
+def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None,
+               images: bool = False) -> torch.nn.Module:  # fmt: skip
+    """The model to train: from ``checkpoint`` when resuming, else ``config.path`` or a tiny model;
+    ``images``: as its multimodal model (``AutoModelForImageTextToText``, vision tower and all), for
+    rollouts that carry images, else as its text causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = getattr(torch, config.dtype)
     # grouped_mm (the default experts kernel) has no fp64 path (as in harts.tiny.tiny_model)
@@ -117,9 +120,11 @@ def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None) -
     with quiet_transformers():
         source = checkpoint if checkpoint is not None else config.path
         if source is not None:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **extra)
+            loader = AutoModelForImageTextToText if images else AutoModelForCausalLM
+            model = loader.from_pretrained(source, dtype=dtype, local_files_only=True, **extra)
         else:
-            model = tiny_model(config.tiny, seed=seed if config.seed is None else config.seed, dtype=dtype)
+            build = tiny_vision_language_model if images else tiny_model
+            model = build(config.tiny, seed=seed if config.seed is None else config.seed, dtype=dtype)
     model.to(config.device)
     own_memory(model)
     if config.gradient_checkpointing:  # the newer name where transformers has it
@@ -167,6 +172,7 @@ class DataCheck:
     max_token: tuple[int, str]  # the largest token id, and where it is ("file, line N, position P")
     # turns form: trajectories split where their context drifted, and where the first one was split
     split: tuple[int, str] | None = None
+    images: tuple[int, str] | None = None  # rollouts with images, and where the first one is
 
     def extra_fields_line(self, path: Path) -> str | None:
         """One line naming the fields harts does not read and the trajectories split where their
@@ -264,6 +270,7 @@ def check_data(
     extra: dict[str, tuple[int, str]] = {}
     top = (-1, "")
     split, first_split = 0, ""
+    images, first_image = 0, ""
     batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size, data.split_drift,
                               warn=False)  # fmt: skip
     for steps, batch in enumerate(batches, 1):
@@ -278,6 +285,8 @@ def check_data(
             form = item.form
             if item.piece[0] == 0 and item.piece[1] > 1:
                 split, first_split = split + 1, first_split or item.drift
+            if item.rollout.pixel_values is not None:
+                images, first_image = images + 1, first_image or item.where
             for field, wanted, why in needs:
                 value = getattr(item.rollout, field)
                 if (value is not None) != wanted:
@@ -293,7 +302,8 @@ def check_data(
                 top = (int(tokens.max()), f"{item.where}, position {int(tokens.argmax())}")
     if steps == 0:
         raise ValueError(f"data.path: {data.path} holds no rollouts")
-    return DataCheck(steps, rollouts, form, extra, top, (split, first_split) if split else None)
+    return DataCheck(steps, rollouts, form, extra, top, (split, first_split) if split else None,
+                     (images, first_image) if images else None)  # fmt: skip
 
 
 def group_spans(rollouts: list[Rollout]) -> list[range]:

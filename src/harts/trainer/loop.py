@@ -47,6 +47,7 @@ from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.critic import CRITIC_DIR, Critic
 from harts.trainer.evaluation import Evaluation
+from harts.trainer.images import IMAGE_MODEL_LOADER, check_image_run
 from harts.trainer.inputs import (
     Position,
     check_data,
@@ -137,6 +138,8 @@ class _Train(Run):
         config = self.config
         self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
                                      reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
+        if self.data_check.images is not None:  # the multimodal model, and only what runs exactly with images
+            check_image_run(config, self.data_check.images[1], distributed=self.ranks is not None)
         self.steps_per_epoch = self.data_check.steps
         # optimizer updates: ppo.epochs x ppo.mini_batches per step of rollouts
         self.total = (config.steps or (config.epochs or 1) * self.steps_per_epoch) * config.updates_per_step
@@ -153,6 +156,10 @@ class _Train(Run):
             self.verifying = False  # the stock forward of a sample cannot run on one rank of a sharded model
             self.say("run.verify: not under FSDP2 (a rank cannot run the stock forward of its sample alone "
                      "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
+        if self.verifying and self.data_check.images is not None:
+            self.verifying = False  # the check's stock forward reads token ids only
+            self.say("run.verify: not on rollouts with images (the check's stock forward reads token ids "
+                     "only); the multimodal step's exactness is tested against the stock forward with images")
         return start, state
 
     def _make_model(self, start: Checkpoint | None, state: dict | None) -> None:
@@ -161,7 +168,8 @@ class _Train(Run):
         seed_everything(config.seed)
         # a LoRA run's checkpoints hold the adapter: its base comes from [model] again
         from_checkpoint = start.path if start and config.lora is None else None
-        self.model = load_model(config.model, config.seed, from_checkpoint)
+        images = self.data_check.images is not None  # then the multimodal model, its vision tower trained
+        self.model = load_model(config.model, config.seed, from_checkpoint, images=images)
         check_embedding(self.model, self.data_check)
         self.base_sha256 = None
         if config.lora is not None:
@@ -430,7 +438,8 @@ class _Train(Run):
         config, position, session = self.config, self.position, self.session
         redundancy = position.flat_tokens / max(position.unique_tokens, 1)
         unit = "optimizer updates" if config.ppo is not None else "steps"
-        loads = ("AutoModelForCausalLM.from_pretrained loads it" if config.lora is None else
+        loader = IMAGE_MODEL_LOADER if self.data_check.images is not None else "AutoModelForCausalLM"
+        loads = (f"{loader}.from_pretrained loads it" if config.lora is None else
                  "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
         if self.critic is not None:
             loads += f"; its critic in {CRITIC_DIR}/"
