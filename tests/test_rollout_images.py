@@ -157,11 +157,12 @@ def saved_vlm(tmp_path):
     return tmp_path / "vlm"
 
 
-def image_run_config(tmp_path, model: dict, **sections):
+def image_run_config(tmp_path, model: dict, top: dict | None = None, **sections):
     from tests.helpers import write_config
 
     data = {"path": str(write(tmp_path)), "rollouts_per_step": 2}
-    return write_config(tmp_path / "run.toml", {"steps": 2, "max_grad_norm": 0.0}, model=model, data=data,
+    top = {"steps": 2, "max_grad_norm": 0.0, **(top or {})}
+    return write_config(tmp_path / "run.toml", top, model=model, data=data,
                         optimizer={"lr": 1e-3, "weight_decay": 0.0}, **sections)  # fmt: skip
 
 
@@ -215,3 +216,23 @@ def test_images_with_a_text_checkpoint_are_refused_before_it_loads(tmp_path, cap
     config = image_run_config(tmp_path, {"path": str(tmp_path / "text"), "tiny": None})
     assert run_train(config, tmp_path / "out") != 0
     assert "is no multimodal model harts runs images on" in capsys.readouterr().err
+
+
+def test_a_resumed_run_on_images_equals_the_uninterrupted_one(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_train
+
+    path = saved_vlm(tmp_path)
+
+    def config(steps: int):
+        return image_run_config(tmp_path, {"path": str(path), "tiny": None}, top={"steps": steps},
+                                checkpoint={"every": 1})  # fmt: skip
+
+    assert run_train(config(2), tmp_path / "whole") == 0
+    assert run_train(config(1), tmp_path / "half") == 0
+    assert run_train(config(2), tmp_path / "half", "--resume") == 0  # loads step 1 as the multimodal model
+    weights = [load_file(tmp_path / run / "checkpoints" / "step-000002" / "model.safetensors") for run in
+               ("whole", "half")]  # fmt: skip
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
