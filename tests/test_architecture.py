@@ -167,3 +167,24 @@ def test_family_knowledge_stays_in_the_adapters():
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
     })  # fmt: skip
     assert names and not found, found
+
+
+MAX_MODULE_LINES = 500  # a module a reader holds in mind at once
+MAX_FUNCTION_LINES = 80  # a function read without scrolling, docstring included
+
+
+def test_modules_and_functions_stay_small():
+    """Small units: no module over 500 lines, no function over 80; split by meaning when one grows."""
+    long_modules, long_functions = [], []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(SRC)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
