@@ -16,9 +16,11 @@ from harts.data.turns import turn_from_sglang, turn_from_vllm, turns_from_chat
 from harts.forest import Forest, build_forest
 from harts.objectives import (
     ADVANTAGE_ESTIMATORS,
+    CORRECTIONS,
     POLICY_LOSSES,
     AdvantageEstimator,
     Aggregation,
+    Correction,
     KLEstimator,
     LossKind,
     LossRows,
@@ -75,7 +77,7 @@ __all__ = [
     # objectives
     "Rollout", "LossRows", "build_loss_rows", "PolicyLossConfig", "LossKind", "Aggregation", "KLEstimator",
     "Normalizers", "normalizers_for", "estimate_advantages", "with_advantages", "AdvantageEstimator",
-    "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES",
+    "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "Correction", "CORRECTIONS",
     # MoE
     "MoEConfig", "MoEStats", "RouterRecorder", "moe_stats",
 ]  # fmt: skip

@@ -3,6 +3,8 @@
 ``rollout``: the input dataclass and its checks. ``rows``: one row per (trajectory, predicted
 position) over a forest. ``losses``: SFT, PPO/DAPO/dual clip, GSPO, KL, entropy, aggregation by
 global normalisers, and their registry ``POLICY_LOSSES`` (what each kind reads and allows).
+``corrections``: importance corrections for the engine-trainer gap (token and sequence TIS/MIS,
+geometric rejection), their registry ``CORRECTIONS``, and the mismatch metrics.
 ``advantages``: GRPO, Dr. GRPO, RLOO, tree, first-error-step and GAE estimators, and their
 registry ``ADVANTAGE_ESTIMATORS``. ``values``: the critic's clipped value loss and explained variance.
 ``moe``: router statistics weighted by multiplicity (aux loss, expert counts). Everything here is
@@ -25,6 +27,7 @@ from harts.objectives.advantages import (
     tree_node_values,
     with_advantages,
 )
+from harts.objectives.corrections import CORRECTIONS, Correction, CorrectionEntry, correction_weights
 from harts.objectives.losses import (
     POLICY_LOSSES,
     Aggregation,
@@ -67,6 +70,7 @@ __all__ = [
     "Aggregation", "Normalizers", "normalizers_for", "aggregate",
     "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
     "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES", "PolicyLossEntry",
+    "Correction", "CORRECTIONS", "CorrectionEntry", "correction_weights",
     "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
     "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS",
     "EstimatorEntry", "estimate_advantages", "with_advantages", "advantages_to_rollouts",

@@ -23,6 +23,7 @@ from enum import StrEnum
 
 import torch
 
+from harts.objectives.corrections import Correction, check_correction, corrected, old_logprobs_of
 from harts.objectives.rows import LossRows, check_row_tensor
 
 __all__ = [
@@ -140,13 +141,16 @@ def sft_loss(logprob: Tensor) -> Tensor:
 
 
 def _old_logprob(rows: LossRows, old_logprob: Tensor | None, logprob: Tensor, name: str) -> Tensor:
+    """The ratio's denominator: ``old_logprob``, else the rows' old log-probs, else the behaviour's."""
     if old_logprob is not None:
         check_row_tensor(old_logprob, rows, "old_logprob")
-        return old_logprob.detach().to(logprob.dtype)
+    old = old_logprobs_of(rows, old_logprob)
+    if old is not None:
+        return old.to(logprob.dtype)
     if not rows.has_rollout_logprob:
         raise ValueError(
-            f"{name} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs, or pass "
-            f"old_logprob (e.g. logprob.detach() for a fully on-policy step)"
+            f"{name} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs (or "
+            f"old_logprobs), or pass old_logprob (e.g. logprob.detach() for a fully on-policy step)"
         )
     return rows.rollout_logprob.to(logprob.dtype)
 
@@ -314,7 +318,10 @@ class PolicyLossConfig:
     ``temperature`` T: the policy is ``softmax(logits / T)``, the distribution an inference engine
     sampling at T drew the rollouts from (verl and TRL divide the logits by the rollout
     temperature the same way); log-probs, ratios, KL and entropy all use it. What the kind reads
-    and allows: :attr:`policy_loss`, its :data:`POLICY_LOSSES` entry.
+    and allows: :attr:`policy_loss`, its :data:`POLICY_LOSSES` entry. ``correction``: an
+    importance correction for the gap between the engine that sampled the rollouts and the
+    trainer (:data:`harts.objectives.corrections.CORRECTIONS`): each token's policy term times a
+    weight of rho = exp(old - behaviour) bounded by ``correction_low`` / ``correction_high``.
     """
 
     kind: LossKind = LossKind.PPO
@@ -326,6 +333,9 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
     temperature: float = 1.0
+    correction: Correction | None = None
+    correction_low: float | None = None
+    correction_high: float | None = None
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not (0 < float(self.temperature) < float("inf")):
@@ -341,6 +351,10 @@ class PolicyLossConfig:
             raise ValueError(
                 f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
             )
+        readers = tuple(k.value for k, entry in POLICY_LOSSES.items() if entry.needs_behaviour_logprobs)
+        correction = check_correction(self.correction, self.correction_low, self.correction_high,
+                                      self.kind.value, readers)  # fmt: skip
+        object.__setattr__(self, "correction", correction)
 
     @property
     def policy_loss(self) -> PolicyLossEntry:
@@ -356,6 +370,11 @@ class PolicyLossConfig:
     def needs_max_length(self) -> bool:
         """Whether the normalisers need Dr. GRPO's constant (``Normalizers.max_length``)."""
         return self.aggregation.needs_max_length
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether a step reads old log-probs apart from the behaviour's: an importance correction."""
+        return self.correction is not None
 
     def clip(self) -> tuple[float, float]:
         """(clip_low, clip_high): the ones given, else the kind's defaults ((0, 0) for a kind without)."""
@@ -422,8 +441,11 @@ def compute_loss(
     ``config.aggregation`` over ``normalizers``. ``logprob`` [R] and ``entropy`` [R] (None allowed
     when ``entropy_coef`` is 0) follow ``rows``. Metrics (0-dim, detached): ``loss``,
     ``policy_loss``, ``kl`` and ``entropy`` (when available), and token-mean fractions
-    ``clip_fraction`` / ``dual_clip_fraction``. Every value is a sum over global normalisers, so a
-    step's value is the sum over its micro-batches.
+    ``clip_fraction`` / ``dual_clip_fraction``; with both behaviour and old log-probs, the token
+    means ``mismatch_kl`` and ``mismatch_log_rho_abs``, and a correction's
+    ``correction_truncated_fraction`` or ``correction_rejected_fraction``
+    (:func:`harts.objectives.corrections.corrected`). Every value is a sum over global
+    normalisers, so a step's value is the sum over its micro-batches.
     """
     check_row_tensor(logprob, rows, "logprob")
     if entropy is not None:
@@ -432,6 +454,8 @@ def compute_loss(
         raise ValueError("entropy_coef > 0 needs the per-row entropy, got entropy=None")
     mode = config.aggregation
     per_row, stats = config.policy_loss(logprob, rows, config, old_logprob)
+    per_row, mismatch = corrected(per_row, rows, config, old_logprob)
+    stats.update(mismatch)
     policy = aggregate(per_row, rows, mode, normalizers)
     loss = policy
     metrics = {"policy_loss": policy.detach()}

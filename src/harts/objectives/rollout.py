@@ -47,7 +47,9 @@ __all__ = [
 # Samplers compute log_softmax in low precision; a log-prob this far above 0 is rounding, not a bug.
 LOGPROB_SLACK = 1e-6
 
-_PER_POSITION = ("loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "returns", "values")
+_PER_POSITION = (
+    "loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "returns", "values", "old_logprobs",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +58,11 @@ class Rollout:
 
     - ``tokens`` [L]: token ids (integers >= 0).
     - ``loss_mask`` [L] or None: bool or 0/1; which tokens the policy generated and is trained on.
-    - ``rollout_logprobs`` [L] or None: log-prob the sampler gave each token (position 0 ignored).
+    - ``rollout_logprobs`` [L] or None: log-prob the sampler gave each token (position 0 ignored):
+      the behaviour policy, the engine that drew the rollout.
+    - ``old_logprobs`` [L] or None: log-prob of each token under the trainer's policy before the
+      update (PPO's ratio denominator); None: the ratio reads ``rollout_logprobs``. An importance
+      correction (``PolicyLossConfig.correction``) reads both.
     - ``ref_logprobs`` [L] or None: log-prob of each token under the reference policy (for KL).
     - ``advantages`` [L], a number, or None: advantage of each token.
     - ``returns`` [L] or None: the critic's regression target at each token (GAE's returns), for
@@ -87,6 +93,7 @@ class Rollout:
     values: Any = None
     pixel_values: Any = None
     image_grid_thw: Any = None
+    old_logprobs: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,6 +113,7 @@ class CheckedRollout:
     first_error_position: int | None
     returns: np.ndarray | None = None
     values: np.ndarray | None = None
+    old_logprobs: np.ndarray | None = None
 
 
 def _to_numpy(values, name: str, index: int) -> np.ndarray:
@@ -283,12 +291,14 @@ def rollouts_from_batch(
     group_ids=None,
     returns=None,
     values=None,
+    old_logprobs=None,
 ) -> BatchRollouts:
     """Rollouts from a padded batch (``input_ids`` [B, L] and ``attention_mask``) or a packed one
     (``input_ids`` [T] or [1, T] and ``cu_seqlens`` or ``position_ids``).
 
     Per-token annotations (``loss_mask``, e.g. verl's response mask over the whole sequence;
-    ``rollout_logprobs``; ``ref_logprobs``; ``advantages``; a critic's ``returns`` and ``values``)
+    ``rollout_logprobs``; ``old_logprobs``; ``ref_logprobs``; ``advantages``; a critic's ``returns``
+    and ``values``)
     have the shape of ``input_ids``: each trajectory takes its own tokens' values, padding is
     dropped. Per-trajectory ``rewards`` and ``group_ids`` have one entry per trajectory. A 2-D
     ``input_ids`` without a mask is refused.
@@ -296,7 +306,8 @@ def rollouts_from_batch(
     layout = batch_layout(input_ids, attention_mask, cu_seqlens, position_ids)
     tokens = layout.split(input_ids, "input_ids")
     per_token = {"loss_mask": loss_mask, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
-                 "advantages": advantages, "returns": returns, "values": values}  # fmt: skip
+                 "advantages": advantages, "returns": returns, "values": values,
+                 "old_logprobs": old_logprobs}  # fmt: skip
     split = {name: layout.split(v, name) for name, v in per_token.items() if v is not None}
     n = layout.num_trajectories
     for name, values in (("rewards", rewards), ("group_ids", group_ids)):

@@ -46,6 +46,8 @@ class LossRows:
       batch has none (see the ``has_*`` flags), never NaN.
     - ``value_target``, ``rollout_value``: a critic's annotations at ``p`` (``Rollout.returns`` and
       ``Rollout.values``), zeros where absent (``has_value_target``, ``has_rollout_value``).
+    - ``old_logprob``: the old policy's log-prob at ``p`` (``Rollout.old_logprobs``), zeros where
+      absent (``has_old_logprob``); ``rollout_logprob`` is then the behaviour policy's alone.
 
     Per trajectory [B]:
 
@@ -54,6 +56,11 @@ class LossRows:
       makes a trajectory a group of its own.
     - ``reward`` (0.0 where absent) and ``has_reward`` (bool).
     - ``first_error_position``: -1 where None.
+    - ``trajectory_log_rho``: float64, sum over ALL of the trajectory's rows of
+      ``old_logprob - rollout_logprob`` (the log of its importance ratio old / behaviour), None
+      unless the rows hold both; computed once from the whole batch (:meth:`with_old_logprob`,
+      :func:`build_loss_rows`) and kept whole by :meth:`select`, so a sequence-level correction
+      of any subset of rows reads the whole trajectory's ratio.
     """
 
     predictor: torch.Tensor
@@ -77,9 +84,12 @@ class LossRows:
     rollout_value: torch.Tensor | None = None
     has_value_target: bool = False
     has_rollout_value: bool = False
+    old_logprob: torch.Tensor | None = None
+    has_old_logprob: bool = False
+    trajectory_log_rho: torch.Tensor | None = None
 
-    def __post_init__(self):  # rows built without a critic's annotations: zeros, as for the others
-        for name in ("value_target", "rollout_value"):
+    def __post_init__(self):  # rows built without these annotations: zeros, as for the others
+        for name in ("value_target", "rollout_value", "old_logprob"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, torch.zeros_like(self.weight))
 
@@ -103,8 +113,22 @@ class LossRows:
         """
         index = torch.as_tensor(index, dtype=torch.long, device=self.device)
         per_row = ("predictor", "target", "target_index", "trajectory", "position", "weight", "advantage",
-                   "rollout_logprob", "ref_logprob", "value_target", "rollout_value")  # fmt: skip
+                   "rollout_logprob", "ref_logprob", "value_target", "rollout_value",
+                   "old_logprob")  # fmt: skip
         return replace(self, **{name: getattr(self, name)[index] for name in per_row})
+
+    def with_old_logprob(self, old_logprob: torch.Tensor) -> LossRows:
+        """These rows with ``old_logprob`` [R] as the old policy's log-probs (detached), and each
+        trajectory's ``trajectory_log_rho`` from them. The rows must hold whole trajectories (all
+        of the batch's: a subset's sums would miss the rows left out)."""
+        check_row_tensor(old_logprob, self, "old_logprob")
+        old = old_logprob.detach().to(self.device)
+        sums = None
+        if self.has_rollout_logprob:
+            log_rho = old.to(torch.float64) - self.rollout_logprob.to(torch.float64)
+            sums = torch.zeros(self.num_trajectories, dtype=torch.float64, device=self.device)
+            sums = sums.index_add_(0, self.trajectory, log_rho)
+        return replace(self, old_logprob=old, has_old_logprob=True, trajectory_log_rho=sums)
 
     def to(self, device) -> LossRows:
         """A copy with every tensor on ``device``."""
@@ -116,8 +140,8 @@ class LossRows:
         return replace(self, **moved)
 
     def __repr__(self) -> str:
-        flags = [n for n in ("advantage", "rollout_logprob", "ref_logprob", "value_target", "rollout_value")
-                 if getattr(self, f"has_{n}")]  # fmt: skip
+        flags = [n for n in ("advantage", "rollout_logprob", "old_logprob", "ref_logprob", "value_target",
+                             "rollout_value") if getattr(self, f"has_{n}")]  # fmt: skip
         flags = flags or "no annotations"
         return f"LossRows({self.num_rows} rows, {self.num_trajectories} trajectories, with {flags})"
 
@@ -178,17 +202,6 @@ def build_loss_rows(
     trajectory = flat_trajectory[sel]
     target_index = flat_index[sel]
 
-    def annotation(name: str) -> tuple[torch.Tensor, bool]:
-        arrays = [getattr(c, name) for c in checked]
-        if arrays[0] is None:
-            return torch.zeros(sel.numel(), dtype=dtype), False
-        return torch.from_numpy(np.concatenate(arrays)[sel.numpy()]).to(dtype), True
-
-    advantage, has_adv = annotation("advantages")
-    rollout_lp, has_rollout = annotation("rollout_logprobs")
-    ref_lp, has_ref = annotation("ref_logprobs")
-    value_target, has_target = annotation("returns")
-    rollout_value, has_value = annotation("values")
     rewards = [c.reward for c in checked]
     errors = [c.first_error_position for c in checked]
     return LossRows(
@@ -198,22 +211,41 @@ def build_loss_rows(
         trajectory=trajectory,
         position=sel - starts[trajectory],
         weight=torch.ones(sel.numel(), dtype=dtype),
-        advantage=advantage,
-        rollout_logprob=rollout_lp,
-        ref_logprob=ref_lp,
         tokens_per_trajectory=torch.bincount(trajectory, minlength=num),
         group=_dense_groups(c.group_id for c in checked),
         reward=torch.tensor([0.0 if r is None else r for r in rewards], dtype=dtype),
         has_reward=torch.tensor([r is not None for r in rewards], dtype=torch.bool),
         first_error_position=torch.tensor([-1 if e is None else e for e in errors], dtype=torch.long),
-        has_advantage=has_adv,
-        has_rollout_logprob=has_rollout,
-        has_ref_logprob=has_ref,
-        value_target=value_target,
-        rollout_value=rollout_value,
-        has_value_target=has_target,
-        has_rollout_value=has_value,
+        **_annotations(checked, sel, trajectory, dtype),
     )
+
+
+#: a rollout's per-position annotation -> the rows' field that holds it at each row
+_ANNOTATIONS = {
+    "advantages": "advantage", "rollout_logprobs": "rollout_logprob", "ref_logprobs": "ref_logprob",
+    "returns": "value_target", "values": "rollout_value", "old_logprobs": "old_logprob",
+}  # fmt: skip
+
+
+def _annotations(checked, sel: torch.Tensor, trajectory: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The LossRows keywords of the annotations at the rows' flat positions ``sel``: each one's
+    values in ``dtype`` (zeros where the batch has none) and its ``has_*`` flag, and the
+    trajectories' log-ratios (``trajectory_log_rho``) summed from the float64 annotations, not
+    from their rounding to ``dtype``."""
+    out, flat64 = {}, {}
+    for name, field in _ANNOTATIONS.items():
+        arrays = [getattr(c, name) for c in checked]
+        out[f"has_{field}"] = arrays[0] is not None
+        if arrays[0] is None:
+            out[field] = torch.zeros(sel.numel(), dtype=dtype)
+            continue
+        flat64[field] = torch.from_numpy(np.concatenate(arrays)[sel.numpy()])
+        out[field] = flat64[field].to(dtype)
+    if out["has_old_logprob"] and out["has_rollout_logprob"]:
+        log_rho = flat64["old_logprob"] - flat64["rollout_logprob"]
+        sums = torch.zeros(len(checked), dtype=torch.float64)
+        out["trajectory_log_rho"] = sums.index_add_(0, trajectory, log_rho)
+    return out
 
 
 def unique_predictors(rows: LossRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from harts.adapters.base import MoEBalancing
 from harts.forest import Forest, build_forest
+from harts.objectives.corrections import log_rho_of
 from harts.objectives.losses import (
     Normalizers,
     PolicyLossConfig,
@@ -84,11 +85,14 @@ def _check_inputs(
     if loss.needs_advantages and not rows.has_advantage:
         raise ValueError(f"{config.kind} needs advantages: give the rollouts advantages or use "
                          f"estimate_advantages")  # fmt: skip
-    if loss.needs_behaviour_logprobs and old_logprob is None and not rows.has_rollout_logprob:
+    if loss.needs_behaviour_logprobs and old_logprob is None and not rows.has_rollout_logprob \
+            and not rows.has_old_logprob:  # fmt: skip
         raise ValueError(
             f"{config.kind} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs "
             f"or pass old_logprob"
         )
+    if config.correction is not None:  # refuses rows without behaviour or old log-probs
+        log_rho_of(rows, old_logprob, f"correction {config.correction.value!r}")
     if config.needs_ref_logprobs and not rows.has_ref_logprob:
         raise ValueError("kl_coef > 0 needs reference log-probs: give the rollouts ref_logprobs")
     if config.needs_max_length and normalizers.max_length is None:
@@ -115,8 +119,10 @@ def forest_step(
     ``rows`` must be ``build_loss_rows(forest, rollouts)`` (possibly with advantages from
     ``estimate_advantages``). ``normalizers`` are the counts of the whole optimizer step
     (``normalizers_for`` over all its batches), so the losses of a step's batches add up to the
-    step's loss; None means this batch is the whole step. ``old_logprob`` [R] replaces the rollout
-    log-probs (see ``compute_loss``). ``budget_tokens`` (or ``run.budget_tokens``) bounds the
+    step's loss; None means this batch is the whole step. ``old_logprob`` [R]: the old policy's
+    log-probs (PPO's ratio denominator), in place of the rollouts' ``old_logprobs`` or, without
+    those, their ``rollout_logprobs`` (the behaviour's, which an importance correction reads
+    apart: ``config.correction``). ``budget_tokens`` (or ``run.budget_tokens``) bounds the
     unique tokens per micro-batch. ``moe``: record the routers, return :class:`MoEStats` in the
     result and add the load-balancing loss (see :class:`MoEConfig`). ``temperature`` (or
     ``config.temperature``): the sampling temperature of the rollouts.
@@ -144,9 +150,11 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     if rows.device != device:
         rows = rows.to(device)
     if old_logprob is not None:
-        old_logprob = old_logprob.to(device)
+        # the old log-probs join the rows, with each trajectory's log-ratio to the behaviour's
+        # summed over all of its rows here, once, before a cut tree's parts read their share
+        rows = rows.with_old_logprob(old_logprob.to(device))
 
-    loss_fn = _PolicyLoss(rows, config, normalizers, old_logprob)
+    loss_fn = _PolicyLoss(rows, config, normalizers)
     if run.verify:  # before the routers are recorded: the check's forwards are not the step's
         _verify(model, forest, config, run)
         run = run.unverified
@@ -279,16 +287,16 @@ class _PolicyLoss:
     trajectory's rows) is even a sum of per-row terms: subsets of any rows add up, so cut trees
     run once."""
 
-    def __init__(self, rows: LossRows, config, normalizers, old_logprob):
-        self.rows, self.config, self.normalizers, self.old_logprob = rows, config, normalizers, old_logprob
+    def __init__(self, rows: LossRows, config, normalizers):
+        self.rows, self.config, self.normalizers = rows, config, normalizers
         self.separable_rows = config.policy_loss.separable_rows
 
     def __call__(self, logprob, entropy):
-        return compute_loss(logprob, entropy, self.rows, self.config, self.normalizers, self.old_logprob)
+        return compute_loss(logprob, entropy, self.rows, self.config, self.normalizers)
 
     def subset(self, index: Tensor) -> _PolicyLoss:
-        old = self.old_logprob[index] if self.old_logprob is not None else None
-        return _PolicyLoss(self.rows.select(index), self.config, self.normalizers, old)
+        # per-trajectory sums (row counts, log-ratios) stay whole: select keeps them
+        return _PolicyLoss(self.rows.select(index), self.config, self.normalizers)
 
 
 def _with_temperature(config: PolicyLossConfig, temperature: float | None) -> PolicyLossConfig:
