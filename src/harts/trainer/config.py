@@ -11,7 +11,8 @@ Layout (every key, its default and meaning: ``docs/training.md``)::
     seed, steps | epochs, max_grad_norm, threads, out      top-level keys
     [model]      path (local HF directory) | tiny (family), seed, dtype, device, gradient_checkpointing
     [data]       path (.jsonl / .parquet), rollouts_per_step, tokenizer, split_drift
-    [objective]  the fields of harts.PolicyLossConfig, advantage, advantage_params, max_length
+    [objective]  the fields of harts.PolicyLossConfig (kind, clip, KL, entropy, aggregation, temperature,
+                 correction and its bounds), advantage, advantage_params, max_length
     [run]        the harts.RunConfig fields that make sense in a file
     [optimizer]  kind (adamw | muon), lr, muon_lr, weight_decay, betas, eps, momentum, adjust_lr,
                  freeze_router, master_weights
@@ -350,6 +351,12 @@ class TrainConfig:
         if self.reference is not None and not self.objective.kl_coef > 0:
             raise ValueError("reference: objective.kl_coef is 0, so nothing would read the reference's "
                              "log-probs: set objective.kl_coef or remove [reference]")  # fmt: skip
+        correction = self.objective.correction
+        if correction is not None and (self.ppo is None or self.ppo.old_logprobs != "policy"):
+            got = "no [ppo] section" if self.ppo is None else f"ppo.old_logprobs = {self.ppo.old_logprobs!r}"
+            raise ValueError(f"objective.correction = {correction!r} weighs the old policy's log-probs "
+                             f"against the sampler's, and a rollout file carries only the sampler's: set "
+                             f"[ppo] old_logprobs = \"policy\" (got {got})")  # fmt: skip
         self._check_critic()
 
     def _check_critic(self) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from harts.forest import Forest
 from harts.objectives.advantages import estimate_advantages
+from harts.objectives.corrections import log_rho_of
 from harts.objectives.losses import PolicyLossConfig, normalizers_for
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
@@ -54,7 +55,9 @@ def train_step(
     any rank raises VerificationError on every rank before any gradient is computed.
 
     When the loss reads advantages, ``result.metrics`` gains ``advantage_mean`` and
-    ``advantage_std`` over the whole step's loss rows (the same on every rank)."""
+    ``advantage_std`` over the whole step's loss rows (the same on every rank); when the rows hold
+    both behaviour and old log-probs, ``mismatch_log_rho_abs_max``, the largest |log rho| of the
+    step (a maximum, which the step's metrics, sums over its parts and ranks, cannot carry)."""
     forest, rows, local_forest, local_rows = _agreed(ranks, ValueError, _prepare, model, rollouts, objective,
                                                      loss, ranks)  # fmt: skip
     report = None
@@ -67,6 +70,9 @@ def train_step(
     if loss.policy_loss.needs_advantages and rows.has_advantage:  # the whole step's: alike on every rank
         figures = advantage_stats(rows.advantage)
         result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
+    if "mismatch_log_rho_abs" in result.metrics and rows.num_rows:  # a max is no sum over parts
+        log_rho = log_rho_of(rows, None, "the mismatch metrics")
+        result.metrics["mismatch_log_rho_abs_max"] = log_rho.abs().max()
     return result, forest, report
 
 

@@ -5,7 +5,9 @@ the old policy's (the ratio's denominator) and the reference's (the KL term). A 
 need not carry the last two: ``[reference]`` and ``[ppo]`` make the trainer compute them with
 :func:`harts.forest_logprobs`, forward only, under the run's token budget, every shared prefix
 once, aligned one value per token as a :class:`harts.Rollout`'s ``ref_logprobs`` and
-``rollout_logprobs``. The loss then reads them as it reads a file's (nothing else changes).
+``old_logprobs``. The loss then reads them as it reads a file's (nothing else changes); the
+file's ``rollout_logprobs`` stay the behaviour policy's (the engine's), which an importance
+correction (``objective.correction``) weighs against the old ones.
 
 Why each piece is as it is:
 
@@ -95,7 +97,7 @@ def weights_sha256(model: nn.Module) -> str:
 
 def with_logprobs(model: nn.Module, rollouts: list[Rollout], field: str, run: RunConfig,
                   temperature: float, ranks: Ranks | None = None) -> list[Rollout]:  # fmt: skip
-    """Copies of ``rollouts`` whose ``field`` (``ref_logprobs`` or ``rollout_logprobs``) holds
+    """Copies of ``rollouts`` whose ``field`` (``ref_logprobs`` or ``old_logprobs``) holds
     ``model``'s log-probs at their loss positions (0 elsewhere), forward only, under ``run``'s
     budget, at the objective's sampling temperature; with ``ranks``, each rank scores its own
     trees and every rank gets all (:func:`~harts.trainer.rank_passes.over_ranks`)."""
@@ -128,6 +130,15 @@ def mini_batches(rollouts: list[Rollout], count: int, seed: int, epoch: int, ind
         raise ValueError(f"ppo.mini_batches = {count}, but the step has {len(spans)} groups")
     order = np.random.default_rng([seed, epoch, index, ppo_epoch]).permutation(len(spans))
     return [[rollouts[i] for g in part for i in spans[g]] for part in np.array_split(order, count)]
+
+
+def _check_behaviour(rollouts: list[Rollout], correction: str) -> None:
+    """Every rollout carries the engine's log-probs, which ``correction`` weighs the old ones against."""
+    for i, r in enumerate(rollouts):
+        if r.rollout_logprobs is None:
+            raise ValueError(f"objective.correction = {correction!r} needs the sampler's log-probs "
+                             f"(rollout_logprobs) on every line, and rollout {i} of the step has "
+                             f"none")  # fmt: skip
 
 
 @dataclass
@@ -165,17 +176,19 @@ class StepUpdates:
             if self.objective.advantage is not None:
                 rollouts = with_advantages(policy, rollouts, config.objective)
                 self.objective = dataclasses.replace(config.objective, advantage=None, advantage_params={})
-            reads_old = config.objective.loss_config().policy_loss.needs_behaviour_logprobs
-            if self.ppo.old_logprobs == "policy" and reads_old:
+            loss = config.objective.loss_config()
+            if self.ppo.old_logprobs == "policy" and loss.policy_loss.needs_behaviour_logprobs:
+                if loss.needs_old_logprobs:  # before the pass: a correction weighs them against these
+                    _check_behaviour(rollouts, loss.correction.value)
                 if saved_old is None:
-                    rollouts = with_logprobs(policy, rollouts, "rollout_logprobs", run, temperature, ranks)
+                    rollouts = with_logprobs(policy, rollouts, "old_logprobs", run, temperature, ranks)
                 else:
                     if len(saved_old) != len(rollouts):
                         raise ValueError(f"the checkpoint's old log-probs are for {len(saved_old)} rollouts, "
                                          f"the step has {len(rollouts)}")  # fmt: skip
-                    rollouts = [dataclasses.replace(r, rollout_logprobs=lp)
+                    rollouts = [dataclasses.replace(r, old_logprobs=lp)
                                 for r, lp in zip(rollouts, saved_old, strict=True)]  # fmt: skip
-                self.old = [r.rollout_logprobs for r in rollouts]
+                self.old = [r.old_logprobs for r in rollouts]
         self.rollouts = rollouts
         self.seconds = time.perf_counter() - began  # the forward-only passes and the estimate
 
