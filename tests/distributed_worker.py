@@ -165,13 +165,13 @@ def one_step(model, rollouts, variant: Variant) -> dict:
 def reference(family: str, variant: Variant) -> dict:
     """The variant's step on one process over the whole batch."""
     model = model_for(family, variant)
-    return one_step(model, batch(model.config.vocab_size), variant)
+    return one_step(model, batch(model.config.get_text_config().vocab_size), variant)
 
 
 def step(family: str, variant: Variant) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_for(family, variant)
-    rollouts = batch(model.config.vocab_size)
+    rollouts = batch(model.config.get_text_config().vocab_size)
     forest = harts.build_forest([r.tokens for r in rollouts])
     mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
     return one_step(wrap(model, variant.kind, variant.offload), mine, variant)
@@ -185,7 +185,7 @@ def units_held(family: str, variant: Variant) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_for(family, variant)
-    rollouts = batch(model.config.vocab_size)
+    rollouts = batch(model.config.get_text_config().vocab_size)
     forest = harts.build_forest([r.tokens for r in rollouts])
     mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
     wrapped = wrap(model, "fsdp")

@@ -140,9 +140,8 @@ def fp64_copy(model, cache: bool = True):
     key = id(model)
     if not cache or key not in _FP64:
         config = model.config.__class__.from_dict(model.config.to_dict())
-        from transformers import AutoModelForCausalLM
-
-        copy = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager")
+        adapter = adapter_for_type(config.model_type)
+        copy = adapter.model_from_config(config, dtype=torch.float64, experts_implementation="eager")
         # some versions keep chosen modules (e.g. short convolutions) in fp32 whatever the dtype
         copy = copy.double()
         copy.load_state_dict(model.state_dict())

@@ -40,7 +40,7 @@ def model_of(family: str):
 
 def check_forest(model, trajectories, run: harts.RunConfig | None = None) -> tuple[float, float]:
     """Compare tree and per-trajectory logits, log-probs and gradients; return the worst errors."""
-    weights = functional_weights(trajectories, model.config.vocab_size)
+    weights = functional_weights(trajectories, model.config.get_text_config().vocab_size)
     ref_logits, ref_grads = reference_grads(model, trajectories, weights)
 
     with torch.no_grad():  # the literal fp32 stock forward, kernels and all

@@ -60,7 +60,7 @@ def test_output_shapes_and_logprob_rows(model):
     with torch.no_grad():
         out = harts.forward(model, forest)
         assert out.hidden_states.shape == (forest.num_tokens, model.config.hidden_size)
-        assert out.trajectory_logits(1).shape == (3, model.config.vocab_size)
+        assert out.trajectory_logits(1).shape == (3, model.config.get_text_config().vocab_size)
         assert out.trajectory_logprobs(0).shape == (3,)
         # the branch token (5) predicts 6 in one child and 9 in the other: one predictor, two rows
         idx0, idx1 = forest.trajectory_token_indices(0), forest.trajectory_token_indices(1)

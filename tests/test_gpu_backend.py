@@ -65,7 +65,7 @@ def test_fla_backend_tree_step_matches_stock(family, name):
     triton.knobs.language.fp32_default = "ieee"  # fla's tl.dot would run fp32 inputs as TF32
     trajectories = TRAJECTORIES[name]
     model = cached_model(family, seed=7)
-    weights = functional_weights(trajectories, model.config.vocab_size)
+    weights = functional_weights(trajectories, model.config.get_text_config().vocab_size)
     ref_logits, ref_grads = reference_grads(model, trajectories, weights)
 
     cuda = copy.deepcopy(model).cuda()

@@ -131,7 +131,7 @@ def test_falcon_h1_norm_before_gate():
 def test_head_factor_with_a_biased_head_is_refused(family, option):
     """The logits factor is folded into the head's input, exact only for a head without bias."""
     model = tiny_model(family)
-    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.get_text_config().vocab_size))
     with pytest.raises(ValueError, match=f"{family}: {option} with a biased lm_head"):
         harts.forward(model, harts.build_forest(FOREST))
 

@@ -482,7 +482,7 @@ def test_held_graphs_are_bounded_by_hold_tokens():
 
     model = model_of("llama")
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     trunk = torch.randint(0, vocab, (240,), generator=gen).tolist()
     trajs = [trunk + torch.randint(0, vocab, (60,), generator=gen).tolist() for _ in range(6)]
     forest = harts.build_forest(trajs)

@@ -83,7 +83,7 @@ def test_the_sample_is_the_deepest_shared_prefix():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_exact_step_passes_and_computes_the_same_bits(family):
     model = tiny_model(family)
-    rollouts = batch(model.config.vocab_size)[:6]  # two trees, the first cut under the budget
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]  # two trees, the first cut under the budget
     held = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.grad = held[n].clone()  # gradients accumulated before the call are kept as they are
@@ -103,7 +103,7 @@ def test_an_exact_step_passes_and_computes_the_same_bits(family):
 @pytest.mark.parametrize("fault", ["forward", "backward"])
 def test_a_faulty_kernel_is_caught_and_leaves_no_gradient(family, fault):
     model = tiny_model(family)
-    rollouts = batch(model.config.vocab_size)[:6]
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]
     named = {"forward": r"trajectory \d+, position \d+: harts' log-prob", "backward": r"parameter model\."}
     expected = named[fault]
     with pytest.raises(harts.VerificationError, match=expected) as info:
@@ -117,7 +117,7 @@ def test_a_faulty_kernel_is_caught_and_leaves_no_gradient(family, fault):
 @pytest.mark.parametrize("family", HYBRID[:1] + FULL[:1])
 def test_forward_only_passes_verify(family):
     model = tiny_model(family)
-    rollouts = batch(model.config.vocab_size)[:6]
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]
     plain = harts.forest_logprobs(model, rollouts, run=RUN)
     checked = harts.forest_logprobs(model, rollouts, run=harts.RunConfig(**{**RUN.__dict__, "verify": True}))
     assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, checked.logprobs, strict=True))

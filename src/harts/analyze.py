@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harts.adapters.base import registered_adapter
 from harts.data.rollout_files import read_rollouts
 from harts.forest import Forest, build_forest
 from harts.plan.layout import TreeLayout
@@ -62,7 +63,10 @@ def _meta_model(model: str):
     else:
         families = ", ".join(FAMILIES)
         raise ValueError(f"--model {model!r} is neither a family ({families}) nor a local directory")
+    adapter = registered_adapter(config.model_type)
     with torch.device("meta"):
+        if adapter is not None:
+            return adapter.model_from_config(config)
         return AutoModelForCausalLM.from_config(config)
 
 

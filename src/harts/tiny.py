@@ -7,8 +7,6 @@ builds the stock Hugging Face model from it.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from harts.adapters import adapter_for_type, supported_families
 from harts.adapters.base import all_families, registered_adapter
 
@@ -22,7 +20,7 @@ ALL_FAMILIES = tuple(all_families())
 FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())
 #: the families whose multimodal model harts runs (an adapter with ``vision_language``), in the order above
 VISION_LANGUAGE_FAMILIES = tuple(
-    f for f in ALL_FAMILIES if getattr(registered_adapter(f), "vision_language", None) is not None
+    f for f in ALL_FAMILIES if getattr(getattr(registered_adapter(f), "vision_language", None), "runs_images", False)
 )
 
 
@@ -37,12 +35,13 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     torch.manual_seed(seed)
     # grouped_mm (the default experts kernel) has no fp64 path; fp64 references use the eager loop.
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    model = adapter_for_type(family).model_from_config(config, dtype=dtype, **extra)
     # Router score-correction biases start at zero; make them non-trivial so their use is tested.
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.uniform_(-0.05, 0.05)
+    adapter_for_type(family).randomize_tiny(model)
     return model.eval()
 
 

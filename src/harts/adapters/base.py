@@ -62,13 +62,33 @@ class TreeOps(Protocol):
     - ``recurrence(rec, *inputs, scale=None)`` -> [n, H, V]: any recurrent layer described by a
       :class:`~harts.ops.recurrence.Recurrence` (inputs [n, H, ...] in its order; the gated delta
       rule is :data:`~harts.ops.recurrence.DELTA_RULE`), with parent-to-child state hand-off.
+
+    For sparse attention whose keys an indexer picks per query among the query's own path, over
+    the *key space* (the m rows of the context that earlier micro-batches computed, then the n
+    tokens of this one):
+
+    - ``path_rows(rows [n, C])`` -> [m, C]: per-token rows without gradient, the context's first
+      (handed over across cuts like keys);
+    - ``key_positions`` [m], ``path_mask`` [n, m] bool (the rows each token's path holds, itself
+      included) and ``key_predecessors(W)`` [m, W] (each row's last W path tokens, -1 before the
+      path start);
+    - ``attend(..., mask=[n, m] bool)``: attention restricted to a selection within each path;
+    - ``carry``: a dict for what one layer leaves to a later layer of the same micro-batch (a
+      selection the next layer reuses).
     """
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    key_positions: torch.Tensor
+    path_mask: torch.Tensor
+    carry: dict
 
     def attend(
-        self, query, key, value, scaling: float, window: int | None = None, sinks=None
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None, mask=None
     ) -> torch.Tensor: ...
+
+    def path_rows(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def key_predecessors(self, window: int) -> torch.Tensor: ...
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor: ...
 
@@ -193,6 +213,20 @@ class FamilyAdapter:
     def tiny_config(self, model_type: str, **overrides):
         """A toy configuration of ``model_type`` (tests, demos, benchmarks); keywords override fields."""
         raise NotImplementedError
+
+    def randomize_tiny(self, model: nn.Module) -> None:
+        """Give a tiny model's constant-initialised parameters random values where tests need them
+        to differ (:func:`harts.tiny.tiny_model`); nothing by default."""
+
+    # the transformers auto class that builds and loads the family's model for training: its causal
+    # LM, or its multimodal model where that is the only class with a language-model head
+    auto_class: str = "AutoModelForCausalLM"
+
+    def model_from_config(self, config, **kwargs) -> nn.Module:
+        """The stock model of ``config`` with random weights, through :attr:`auto_class`."""
+        import transformers
+
+        return getattr(transformers, self.auto_class).from_config(config, **kwargs)
 
 
 # Fields every tiny configuration shares: a 128-token vocabulary and 64-wide hidden states.

@@ -33,6 +33,12 @@ class VisionLanguage:
     """
 
     model_types: tuple[str, ...] = ()
+    # whether harts runs the model's images; where it does not, the multimodal model runs as its
+    # text causal LM on forests without images, and :meth:`refuse_images` says what is missing
+    runs_images: bool = True
+
+    def refuse_images(self, config) -> None:
+        """ValueError naming what harts lacks to run this family's images (nothing where it runs them)."""
 
     def wraps(self, model: nn.Module) -> bool:
         """Whether ``model`` is the multimodal wrapper (its config and its modules; not the text

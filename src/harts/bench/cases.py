@@ -191,7 +191,7 @@ class Case:
 
 def build_case(cfg: BenchConfig, family: str, shape: str) -> Case:
     model = make_model(family, cfg)
-    trajectories = make_trajectories(shape, cfg, model.config.vocab_size)
+    trajectories = make_trajectories(shape, cfg, model.config.get_text_config().vocab_size)
     tree = harts.build_forest(trajectories)
     flat = harts.build_forest(trajectories, share_prefixes=False)
     rollouts = [harts.Rollout(t) for t in trajectories]

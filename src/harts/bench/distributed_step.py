@@ -59,7 +59,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     model = tiny_model(args.family, seed=0)
     tokens = synthetic.agentic(system_len=600, num_tasks=8, rollouts_per_task=4, turns=3, turn_len=150,
-                               vocab_size=model.config.vocab_size, seed=0)  # fmt: skip
+                               vocab_size=model.config.get_text_config().vocab_size, seed=0)  # fmt: skip
     rollouts = [harts.Rollout(t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0,
                               rollout_logprobs=[-1.0] * len(t)) for t in tokens]  # fmt: skip
     forest = harts.build_forest(tokens)

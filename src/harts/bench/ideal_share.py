@@ -79,7 +79,7 @@ def measure(
     """One row per budget: the tree's and the best flat step's medians, the ideal and the share."""
     model = make_model(family, BenchConfig(families=(family,), model_size=model_size))
     step = STEPS["forest_step"]
-    trajectories = SHAPES[shape](model.config.vocab_size)
+    trajectories = SHAPES[shape](model.config.get_text_config().vocab_size)
     tree, flat = harts.build_forest(trajectories), harts.build_forest(trajectories, share_prefixes=False)
     rollouts = [harts.Rollout(t) for t in trajectories]
     tree_rows, flat_rows = harts.build_loss_rows(tree, rollouts), harts.build_loss_rows(flat, rollouts)

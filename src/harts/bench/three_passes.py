@@ -68,7 +68,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = tiny_model(args.family, seed=0, **small_overrides(args.family))  # harts bench's small model
-    trajectories = scaled("agentic", args.scale, seed=0, vocab_size=model.config.vocab_size)
+    trajectories = scaled("agentic", args.scale, seed=0, vocab_size=model.config.get_text_config().vocab_size)
     rollouts = rollouts_of(trajectories)
     tree = harts.build_forest(trajectories)
     print(f"{args.family} (hidden 128, vocab 1024), agentic forest: {tree.num_trajectories} trajectories, "

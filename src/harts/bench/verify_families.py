@@ -59,7 +59,7 @@ def check(family: str, precision: str, device: str, backend: str, budget: int = 
     cast = contextlib.nullcontext()
     if precision == "bf16-autocast":
         cast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    rollouts = _rollouts(model.config.vocab_size)
+    rollouts = _rollouts(model.config.get_text_config().vocab_size)
     forest, _ = step_inputs(model, rollouts)
     row = dict(family=family, precision=precision, device=device, backend=backend)
     began = time.perf_counter()

@@ -224,6 +224,49 @@ class TreeLayout:
             self._predecessors[window] = torch.as_tensor(rows, device=self.device)
         return self._predecessors[window]
 
+    @cached_property
+    @_timed
+    def key_positions(self) -> torch.Tensor:
+        """[m] path position of every key-space row (external rows, then the part's own tokens)."""
+        external = self.global_forest.token_position[torch.as_tensor(self.external_tokens, dtype=torch.long)]
+        return torch.cat([external.to(self.device), self.positions])
+
+    @_timed
+    def key_predecessors(self, window: int) -> torch.Tensor:
+        """[m, window] key-space rows of the path predecessors of every key-space row, external rows
+        included (-1 before the path start): the context above a part holds whole paths, so the
+        predecessors of an external row are external rows too."""
+        key = ("key_predecessors", window)
+        if key not in self._conv:
+            if window < 1:
+                raise ValueError(f"window must be at least 1, got {window}")
+            prev = self.global_forest.token_previous.numpy()
+            cols = [np.concatenate([self.external_tokens, self.global_tokens])]
+            for _ in range(window - 1):
+                last = cols[-1]
+                cols.append(np.where(last >= 0, prev[np.maximum(last, 0)], -1))
+            glob = np.stack(cols[::-1], axis=1)
+            rows = np.where(glob >= 0, self.key_rows(glob), -1)
+            if bool((rows[glob >= 0] < 0).any()):
+                raise AssertionError("a window reaches a token this part cannot see")
+            self._conv[key] = torch.as_tensor(rows, device=self.device)
+        return self._conv[key]
+
+    @cached_property
+    @_timed
+    def path_mask(self) -> torch.Tensor:
+        """[n, m] bool: the key-space rows each of the part's tokens sees (its path: ancestors and
+        the earlier tokens of its node, itself included)."""
+        f = self.local
+        sees = np.zeros((self.num_tokens, self.num_keys), dtype=bool)
+        e = self.num_external
+        own = np.tri(int(f.node_length.max()) if f.num_nodes else 0, dtype=bool)
+        starts, lengths = f.node_start.tolist(), f.node_length.tolist()
+        for node, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            sees[start: start + length, self.node_ancestor_keys[node]] = True
+            sees[start: start + length, e + start: e + start + length] = own[:length, :length]
+        return torch.from_numpy(sees).to(self.device)
+
     @property
     def conv_windows(self) -> list[int]:
         """The convolution windows asked of :meth:`predecessors` so far."""

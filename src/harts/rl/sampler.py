@@ -131,7 +131,7 @@ def sample_tree(
     why = cache_not_exact(family)
     if why is not None:
         raise ValueError(f"harts rl cannot sample {family}: {why}")
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     if vocab != task.vocab_size:
         raise ValueError(f"the model's vocab_size is {vocab}, the task's vocabulary has {task.vocab_size} "
                          f"tokens: build the model with vocab_size={task.vocab_size}")  # fmt: skip

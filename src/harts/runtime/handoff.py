@@ -21,6 +21,7 @@ from harts.ops.backends import current_backend
 from harts.ops.precision import attention_inputs
 from harts.ops.recurrence import Recurrence
 from harts.ops.short_conv import tree_short_conv
+from harts.ops.tree_attention.masked import masked_tree_attention
 from harts.ops.tree_recurrence import tree_recurrence
 from harts.plan.layout import TreeLayout
 
@@ -34,6 +35,8 @@ class LayerHandoff:
     - ``key`` / ``value`` [Hkv, X, d]: attention keys (after RoPE and norms) and values of tokens;
     - ``conv_input`` [X, C]: short-convolution inputs of tokens;
     - ``states``: {global node: final linear-attention state [H, K, V]};
+    - ``index_rows`` [X, C]: per-token rows that carry no gradient and that later parts read at
+      every context row (a sparse-attention indexer's keys: its selection is discrete);
     - ``conv_window``: on a reader's side, the convolution window whose context rows
       ``conv_input`` holds (:meth:`~harts.plan.layout.TreeLayout.conv_context_rows`), or None
       when it holds every context row.
@@ -44,13 +47,15 @@ class LayerHandoff:
     conv_input: torch.Tensor | None = None
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     conv_window: int | None = None
+    index_rows: torch.Tensor | None = None
 
     def detached(self) -> LayerHandoff:
         """The same hand-over without its graph (the tensors share storage): what readers take from
         a part whose graph is held, so that dropping the graph frees it."""
         d = lambda t: None if t is None else t.detach()  # noqa: E731
         states = {n: t.detach() for n, t in self.states.items()}
-        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states, self.conv_window)
+        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states, self.conv_window,
+                            d(self.index_rows))
 
 
 class MixerContext:
@@ -79,6 +84,9 @@ class MixerContext:
         self.exports: list[LayerHandoff] = []
         self.layer = -1
         self.recording = True
+        # what one layer leaves for a later layer of the same part (a shared sparse-attention
+        # selection); a replayed layer computes the same values again
+        self.carry: dict[str, object] = {}
 
     def begin_layer(self, index: int) -> None:
         """Start layer ``index``. A layer run again (an activation checkpoint replaying it in
@@ -91,12 +99,40 @@ class MixerContext:
     def _ext(self) -> LayerHandoff | None:
         return self.external[self.layer] if self.external is not None else None
 
+    @property
+    def key_positions(self) -> torch.Tensor:
+        """[m] path position of every key-space row (context rows, then the part's tokens)."""
+        return self.layout.key_positions
+
+    @property
+    def path_mask(self) -> torch.Tensor:
+        """[n, m] bool: the key-space rows each token's path holds (itself included)."""
+        return self.layout.path_mask
+
+    def key_predecessors(self, window: int) -> torch.Tensor:
+        """[m, window] key-space rows of each key-space row's last ``window`` path tokens (itself
+        last; -1 before the path start)."""
+        return self.layout.key_predecessors(window)
+
+    def path_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [n, C] of the part's tokens (no gradient: an indexer's keys) preceded by the same
+        rows of the context that earlier parts computed: [m, C] over the key space."""
+        rows = rows.detach()
+        exported = rows[self.layout.export_token_rows]
+        if self.recording and exported.numel():
+            self.exports[self.layer].index_rows = exported
+        ext = self._ext()
+        if ext is not None and ext.index_rows is not None:
+            rows = torch.cat([ext.index_rows.to(rows.dtype), rows], dim=0)
+        return rows
+
     def attend(
-        self, query, key, value, scaling: float, window: int | None = None, sinks=None
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None, mask=None
     ) -> torch.Tensor:
         """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv].
         ``window``: each token sees the last ``window`` tokens of its path; ``sinks`` [H]: per-head
-        logits added to the softmax denominator."""
+        logits added to the softmax denominator; ``mask`` [n, m] bool: the key-space rows each query
+        sees (within its path: a sparse selection), one dense call instead of the plan."""
         key, value = key[0], value[0]
         rows = self.layout.export_token_rows
         if rows.numel():  # computed on a replay too, so that it saves what the first run saved
@@ -107,8 +143,10 @@ class MixerContext:
         if ext is not None and ext.key is not None:
             key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
         extra = {k: x for k, x in (("window", window), ("sinks", sinks)) if x is not None}
-        plan = self.layout.attention_plan
         query, key, value = attention_inputs(query[0], key, value)  # as SDPA under autocast
+        if mask is not None:
+            return masked_tree_attention(query, key, value, mask, scaling)[None]
+        plan = self.layout.attention_plan
         return current_backend().attention(query, key, value, plan, scaling, **extra)[None]
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
@@ -235,12 +273,12 @@ class HandoffBanks:
             return None
         self._conv_window[part] = conv_window
         by_name = {"key": self.sources(part), "value": self.sources(part),
-                   "conv_input": self.sources(part, conv_window)}  # fmt: skip
+                   "conv_input": self.sources(part, conv_window), "index_rows": self.sources(part)}  # fmt: skip
         nodes = sorted(set(lay.root_state_source.values()))
         out = []
         for layer in range(num_layers):
             picked = {}
-            for name, dim in (("key", 1), ("value", 1), ("conv_input", 0)):
+            for name, dim in (("key", 1), ("value", 1), ("conv_input", 0), ("index_rows", 0)):
                 groups, inverse = by_name[name]
                 pieces = [
                     getattr(self.exports[q][layer], name).index_select(dim, local)

@@ -310,6 +310,7 @@ def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = Tr
             f"the rollouts carry images, but {type(model).__name__} has no vision tower: load the multimodal "
             f"model (e.g. AutoModelForImageTextToText) to train on images"
         )
+    view.vision_language.refuse_images(view.multimodal.config)
     if isinstance(rollouts, (str, bytes)) or not isinstance(rollouts, Sequence) or not len(rollouts):
         raise ValueError("image_forest needs a non-empty sequence of rollouts")
     spec = _Spec.of(view.vision_language, view.multimodal.config)

@@ -62,8 +62,11 @@ def check_forest_images(model: nn.Module, forest: Forest) -> None:
                 f"multimodal model it was built for"
             )
         return
-    refuse_sharded(model.multimodal)
     vision_language, config = model.vision_language, model.multimodal.config
+    if images is not None:
+        vision_language.refuse_images(config)
+    if vision_language.runs_images:
+        refuse_sharded(model.multimodal)
     if images is None:
         special = {vision_language.image_token_id(config): "image token"}
         special.update(vision_language.refused_token_ids(config))

@@ -31,6 +31,7 @@ import torch
 from harts.data.rollout_files import drift_line, iter_file_steps
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
+from harts.adapters.base import registered_adapter
 from harts.tiny import tiny_config, tiny_model, tiny_vision_language_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
@@ -107,12 +108,23 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+def causal_lm_loader(source):
+    """The transformers auto class that loads the checkpoint ``source`` for text training: the
+    family's (:attr:`harts.adapters.base.FamilyAdapter.auto_class`), else the causal LM's."""
+    import transformers
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(source, local_files_only=True).model_type
+    adapter = registered_adapter(model_type)
+    return getattr(transformers, adapter.auto_class if adapter is not None else "AutoModelForCausalLM")
+
+
 def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None,
                images: bool = False) -> torch.nn.Module:  # fmt: skip
     """The model to train: from ``checkpoint`` when resuming, else ``config.path`` or a tiny model;
     ``images``: as its multimodal model (``AutoModelForImageTextToText``, vision tower and all), for
     rollouts that carry images, else as its text causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     dtype = getattr(torch, config.dtype)
     # grouped_mm (the default experts kernel) has no fp64 path (as in harts.tiny.tiny_model)
@@ -120,7 +132,7 @@ def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None,
     with quiet_transformers():
         source = checkpoint if checkpoint is not None else config.path
         if source is not None:
-            loader = AutoModelForImageTextToText if images else AutoModelForCausalLM
+            loader = AutoModelForImageTextToText if images else causal_lm_loader(source)
             model = loader.from_pretrained(source, dtype=dtype, local_files_only=True, **extra)
         else:
             build = tiny_vision_language_model if images else tiny_model
