@@ -44,6 +44,7 @@ from harts.objectives import (
     compute_loss,
     normalizers_for,
 )
+from harts.rl.config import parse_rl_config
 from harts.trainer.config import load_config
 from tests.helpers import run_train, write_config, write_small_rollouts
 from tests.reference import cached_model, fp64_copy, gradient_failures, param_grads
@@ -435,3 +436,11 @@ def test_harts_train_records_the_mismatch_every_update(tmp_path):
             assert math.isfinite(record[key]), key
         assert 0 <= record["correction_truncated_fraction"] <= 1
         assert record["mismatch_log_rho_abs_max"] >= record["mismatch_log_rho_abs"] > 0
+
+
+def test_harts_rl_refuses_a_correction(tmp_path):
+    """harts rl samples with the policy it trains: its rollouts' log-probs are the old policy's."""
+    objective = {"advantage": "grpo", "correction": "token-tis", "correction_high": 2.0}
+    table = {"model": {"tiny": FAMILY}, "task": {"turns": 1}, "objective": objective}
+    with pytest.raises(ValueError, match="objective.correction: harts rl samples with the policy it trains"):
+        parse_rl_config(table, tmp_path)

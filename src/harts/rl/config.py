@@ -95,6 +95,10 @@ class RLConfig:
         if not loss.online_rl:
             online = " or ".join(kind for kind, entry in POLICY_LOSSES.items() if entry.online_rl)
             raise ValueError(f"objective.kind: {self.objective.kind!r} {loss.offline_only}; use {online}")
+        if self.objective.correction is not None:
+            raise ValueError(f"objective.correction: harts rl samples with the policy it trains, so its "
+                             f"rollouts' log-probs are the old policy's and there is no engine-trainer gap "
+                             f"to weigh; remove correction = {self.objective.correction!r}")  # fmt: skip
         if self.objective.advantage is None:
             raise ValueError(f"objective.advantage: harts rl needs an estimator "
                              f"({', '.join(TRAIN_ESTIMATORS)}): the sampled rollouts carry rewards, "
