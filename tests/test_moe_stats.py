@@ -92,7 +92,7 @@ def test_expert_counts_equal_flat_batch(family, shape):
     assert tree.expert_counts.tolist() == flat_loop == alone
     assert torch.equal(tree.expert_counts, flat.expert_counts)
     assert torch.equal(tree.expert_counts, flat_layout.expert_counts)
-    top_k = model.config.num_experts_per_tok
+    top_k = model.config.get_text_config().num_experts_per_tok
     assert int(tree.tokens) == forest.num_flat_tokens == int(flat.tokens)
     assert tree.expert_counts.sum(1).tolist() == [top_k * forest.num_flat_tokens] * len(rec.layers)
     assert (tree.aux_loss is not None) == (family in AUX_FAMILIES)
@@ -158,7 +158,7 @@ def test_rollout_step_adds_the_aux_loss():
     aux = with_aux.moe.aux_loss
     assert torch.allclose(with_aux.loss, plain.loss + 0.01 * aux, rtol=1e-6, atol=0)
     assert with_aux.metrics["moe_aux_loss"] == aux and with_aux.metrics["loss"] == with_aux.loss
-    coef = model.config.router_aux_loss_coef
+    coef = model.config.get_text_config().router_aux_loss_coef
     assert coef > 0 and torch.allclose(default.loss, plain.loss + coef * aux, rtol=1e-6, atol=0)
     assert int(with_aux.moe.tokens) == sum(len(t) for t in trajs)
 

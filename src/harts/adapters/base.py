@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from harts.adapters.vision_language import VisionLanguage
+from harts.adapters.vision_language import VisionLanguage, text_view
 
 __all__ = [
     "TreeOps",
@@ -352,6 +352,9 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"unsupported model family {model_type!r} ({type(model).__name__}); "
             f"harts supports: {', '.join(supported_families())}"
         )
+    view = text_view(model, _REGISTRY[model_type].vision_language)
+    if view is not None:  # a multimodal model: what harts runs and checks is its text causal LM
+        model, config = view, view.config
     if not hasattr(model, "model") or not (hasattr(model, "lm_head") or hasattr(model, "score")):
         raise ValueError(
             "expected a causal LM with .model and .lm_head (e.g. AutoModelForCausalLM), or a critic or "

@@ -14,6 +14,7 @@ from torch import nn
 
 from harts.adapters import adapter_for, adapter_for_type, supported_families
 from harts.adapters.base import MoEBalancing
+from harts.runtime.model_checks import resolve_model
 
 __all__ = ["find_routers", "RouterRecorder"]
 
@@ -29,6 +30,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     of layers past ``num_hidden_layers`` (multi-token-prediction heads) are left out, since
     ``harts.forward`` does not run them.
     """
+    model = resolve_model(model)  # a multimodal model's routers are its language model's
     family = getattr(getattr(model, "config", None), "model_type", None)
     adapter = adapter_for(model)
     if adapter.router_class is None:
@@ -66,6 +68,7 @@ class RouterRecorder:
     """
 
     def __init__(self, model: nn.Module):
+        model = resolve_model(model)
         self.family: str = model.config.model_type
         self.balancing: MoEBalancing = adapter_for(model).moe_balancing
         self._routers = find_routers(model)

@@ -158,6 +158,8 @@ def _stock_rows(model: nn.Module, ids: Tensor, values: bool, temperature: float,
         # a wrapper's forward on the instance (accelerate's) may enter autocast itself: the truth
         # runs the class's own forward, at the precision asked for
         out = type(model).forward(model, input_ids=ids[None])
+    elif getattr(model, "vision_language", None) is not None:  # a text view: its whole model's forward
+        out = model.multimodal(input_ids=ids[None])
     else:
         out = model(input_ids=ids[None])
     logits = out if isinstance(out, Tensor) else out.logits
@@ -272,7 +274,7 @@ def verify_sample(
     run); with ``loss`` (``gradients``), a training pass that accumulates that loss's gradients
     into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs)."""
-    if getattr(model, "vision_language", None) is not None:
+    if getattr(getattr(model, "vision_language", None), "runs_images", False):
         raise ValueError(
             "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
             "multimodal model's images: verify its text model, or leave verify off"
