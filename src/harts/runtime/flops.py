@@ -35,6 +35,7 @@ from torch import nn
 
 from harts.adapters.base import adapter_for
 from harts.forest import Forest
+from harts.runtime.model_checks import resolve_model
 
 __all__ = ["FlopModel", "flop_model", "forest_flops", "ideal_speedup", "FLOP_MODEL_TEXT"]
 
@@ -82,7 +83,9 @@ def _expert_weights(experts: nn.Module) -> tuple[int, int]:
 # layer of its own.
 TOKEN_WISE_LAYERS = ("conv", "mlp", "moe")
 # Layer types whose mixer attends (a window's keys counted as the whole path's).
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# An indexed layer (sparse attention whose keys an indexer picks) runs one masked call over the
+# whole path, as the stock layer does, plus its indexer over the path's pools.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "indexed_attention")
 
 
 def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
@@ -132,11 +135,15 @@ def _attention_key_flops(mixer: nn.Module, config) -> int:
     head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // heads
     d_qk = int(getattr(mixer, "qk_head_dim", None) or head_dim)
     d_v = int(getattr(mixer, "v_head_dim", None) or head_dim)
-    return 2 * heads * (d_qk + d_v)
+    indexer = getattr(mixer, "indexer", None)
+    # a lightning indexer scores one pool of ``index_kpool`` keys per query with its own heads
+    pooled = 2 * indexer.n_heads * indexer.head_dim // indexer.index_kpool if indexer is not None else 0
+    return 2 * heads * (d_qk + d_v) + pooled
 
 
 def flop_model(model: nn.Module) -> FlopModel:
     """The forward FLOP coefficients of a supported ``*ForCausalLM`` (read from its modules)."""
+    model = resolve_model(model)  # a multimodal model: its text causal LM
     adapter = adapter_for(model)
     config = model.config
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
