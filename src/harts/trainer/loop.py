@@ -35,7 +35,7 @@ from typing import TextIO
 import torch
 
 from harts.adapters import adapter_for
-from harts.adapters.base import MoEBalancing
+from harts.adapters.base import MoEBalancing, registered_adapter
 from harts.forest import Forest
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
@@ -438,7 +438,9 @@ class _Train(Run):
         config, position, session = self.config, self.position, self.session
         redundancy = position.flat_tokens / max(position.unique_tokens, 1)
         unit = "optimizer updates" if config.ppo is not None else "steps"
-        loader = IMAGE_MODEL_LOADER if self.data_check.images is not None else "AutoModelForCausalLM"
+        family = registered_adapter(self.model.config.model_type)
+        loader = IMAGE_MODEL_LOADER if self.data_check.images is not None else (
+            family.auto_class if family is not None else "AutoModelForCausalLM")
         loads = (f"{loader}.from_pretrained loads it" if config.lora is None else
                  "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
         if self.critic is not None:
