@@ -291,6 +291,30 @@ def gradient_failures(
     return failures
 
 
+def assert_gradients(got: dict, exact: dict, stock32: Callable) -> float:
+    """``got`` against the fp64 truth ``exact`` (bound: GRAD_RTOL, or twice stock fp32's own error,
+    ``stock32()`` its gradients, computed only when a parameter misses GRAD_RTOL); returns the worst
+    relative error."""
+    errors = grad_relative_errors(got, exact)
+    if max(errors.values()) > GRAD_RTOL:
+        failures = gradient_failures(got, exact, stock32())
+        assert not failures, failures
+    return max(errors.values())
+
+
+def stock_fp32_grads(model, trajectories, loss_of_logits: Callable) -> dict[str, torch.Tensor]:
+    """The gradients of ``sum_i loss_of_logits(i, logits_i)`` through the literal fp32 stock forward of
+    each trajectory alone (``model``'s own ``.grad`` is left as it was)."""
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for i, traj in enumerate(trajectories):
+        loss_of_logits(i, stock_logits(model, traj)).backward()
+    grads = param_grads(model)
+    for n, p in model.named_parameters():
+        p.grad = saved[n]
+    return grads
+
+
 def token_cancellation(model64, fp64_loss: Callable, names) -> dict[str, float]:
     """{name: kappa} for the named parameters whose gradient is a sum of per-token terms:
     kappa = || sum_t |g_t| || / || sum_t g_t || (elementwise magnitudes, >= 1), where g_t is token

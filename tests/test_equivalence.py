@@ -4,7 +4,9 @@ For each forest: max |logit diff| <= 1e-4 for every trajectory, next-token log-p
 the parameter gradients of a random linear functional of all logits match the sum of the
 per-trajectory gradients with relative error <= 1e-4 (fp32). Through the one training step
 (``harts.rollout_step``), cut into micro-batches of a few tokens: the SFT loss and its gradients
-match the stock per-trajectory ones to the same bounds.
+match the stock per-trajectory ones to the same bounds. A parameter whose gradient fp32 cannot
+reach within 1e-4 of the fp64 truth (Qwen4-Exp's n-gram gate, ``sqrt(|g|)`` near zero) is held to
+twice the error of the stock fp32 training it replaces (``tests.reference.assert_gradients``).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import harts
 from harts.tiny import FAMILIES
 from tests.helpers import EDGE_SHAPES
 from tests.reference import (
-    GRAD_RTOL,
     LOGIT_ATOL,
+    assert_gradients,
     cached_model,
     functional_weights,
-    grad_relative_errors,
     param_grads,
     reference_grads,
     reference_sft_grads,
+    stock_fp32_grads,
     stock_logits,
 )
 
@@ -60,12 +62,10 @@ def check_forest(model, trajectories, run: harts.RunConfig | None = None) -> tup
         )
         loss = loss + (logits * w).sum()
     loss.backward()
-    errors = grad_relative_errors(param_grads(model), ref_grads)
-    worst_name = max(errors, key=errors.get)
     assert worst_logit <= LOGIT_ATOL, f"max |logit diff| {worst_logit:.3g} > {LOGIT_ATOL}"
-    assert errors[worst_name] <= GRAD_RTOL, (
-        f"gradient of {worst_name}: relative error {errors[worst_name]:.3g}"
-    )
+    # GRAD_RTOL, or twice stock fp32's own error where a parameter's gradient is ill-conditioned
+    worst_grad = assert_gradients(param_grads(model), ref_grads, lambda: stock_fp32_grads(
+        model, trajectories, lambda i, logits: (logits * weights[i]).sum()))
 
     with torch.no_grad():
         for i, t in enumerate(trajectories):
@@ -73,7 +73,7 @@ def check_forest(model, trajectories, run: harts.RunConfig | None = None) -> tup
                 1, torch.tensor(t[1:])[:, None]
             )[:, 0]
             assert torch.allclose(out.trajectory_logprobs(i), ref_lp, atol=LOGIT_ATOL, rtol=0)
-    return worst_logit, errors[worst_name]
+    return worst_logit, worst_grad
 
 
 @pytest.mark.parametrize("shape", list(EDGE_SHAPES))
@@ -95,9 +95,14 @@ def check_step(model, trajectories, budget: int | None, run: harts.RunConfig | N
     if budget is not None:
         assert max(result.tokens_per_micro_batch) <= budget
     assert abs(float(result.loss) - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
-    errors = grad_relative_errors(param_grads(model), ref_grads)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= GRAD_RTOL, f"gradient of {worst}: relative error {errors[worst]:.3g}"
+    assert_gradients(param_grads(model), ref_grads, lambda: stock_fp32_grads(
+        model, trajectories, lambda i, logits: _sft(i, logits, trajectories)))
+
+
+def _sft(i: int, logits: torch.Tensor, trajectories) -> torch.Tensor:
+    """Minus the next-token log-probs of trajectory ``i`` from its ``logits``."""
+    ids = torch.as_tensor(list(trajectories[i]), dtype=torch.long)
+    return -torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None]).sum()
 
 
 @pytest.mark.parametrize("shape", list(EDGE_SHAPES))

@@ -29,10 +29,10 @@ from harts.tiny import FAMILIES, VISION_LANGUAGE_FAMILIES, tiny_model, tiny_visi
 from tests.reference import (
     GRAD_RTOL,
     LOGIT_ATOL,
+    assert_gradients,
     exact_linear_kernels,
     functional_weights,
     grad_relative_errors,
-    gradient_failures,
     param_grads,
 )
 
@@ -135,16 +135,6 @@ def sft_loss(rollouts):
         return -torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None]).sum()
 
     return loss
-
-
-def assert_gradients(got: dict, exact: dict, stock32) -> float:
-    """``got`` against the fp64 truth ``exact`` (bound: GRAD_RTOL, or twice stock fp32's own error,
-    ``stock32()`` its gradients); returns the worst relative error."""
-    errors = grad_relative_errors(got, exact)
-    if max(errors.values()) > GRAD_RTOL:
-        failures = gradient_failures(got, exact, stock32())
-        assert not failures, failures
-    return max(errors.values())
 
 
 @functools.cache

@@ -83,7 +83,8 @@ def test_the_sample_is_the_deepest_shared_prefix():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_exact_step_passes_and_computes_the_same_bits(family):
     model = tiny_model(family)
-    rollouts = batch(model.config.get_text_config().vocab_size)[:6]  # two trees, the first cut under the budget
+    # two trees, the first cut under the budget
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]
     held = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.grad = held[n].clone()  # gradients accumulated before the call are kept as they are

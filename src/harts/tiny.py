@@ -7,6 +7,7 @@ builds the stock Hugging Face model from it.
 from __future__ import annotations
 
 import torch
+
 from harts.adapters import adapter_for_type, supported_families
 from harts.adapters.base import all_families, registered_adapter
 
@@ -20,7 +21,9 @@ ALL_FAMILIES = tuple(all_families())
 FAMILIES = tuple(f for f in ALL_FAMILIES if f in supported_families())
 #: the families whose multimodal model harts runs (an adapter with ``vision_language``), in the order above
 VISION_LANGUAGE_FAMILIES = tuple(
-    f for f in ALL_FAMILIES if getattr(getattr(registered_adapter(f), "vision_language", None), "runs_images", False)
+    f
+    for f in ALL_FAMILIES
+    if getattr(getattr(registered_adapter(f), "vision_language", None), "runs_images", False)
 )
 
 

@@ -74,13 +74,19 @@ class TreeOps(Protocol):
       path start);
     - ``attend(..., mask=[n, m] bool)``: attention restricted to a selection within each path;
     - ``carry``: a dict for what one layer leaves to a later layer of the same micro-batch (a
-      selection the next layer reuses).
+      selection the next layer reuses);
+    - ``key_position_embeddings``: the rotary (cos, sin) [1, m, d] at every key-space row (keys
+      pooled from earlier tokens are rotated at their first token's position).
+
+    ``path_token_ids(W)`` [n, W]: the token ids of each token's last W path tokens (-1 before the
+    path start), for embeddings of a token's n-gram.
     """
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     key_positions: torch.Tensor
     path_mask: torch.Tensor
     carry: dict
+    key_position_embeddings: tuple[torch.Tensor, torch.Tensor]
 
     def attend(
         self, query, key, value, scaling: float, window: int | None = None, sinks=None, mask=None
@@ -89,6 +95,8 @@ class TreeOps(Protocol):
     def path_rows(self, rows: torch.Tensor) -> torch.Tensor: ...
 
     def key_predecessors(self, window: int) -> torch.Tensor: ...
+
+    def path_token_ids(self, window: int) -> torch.Tensor: ...
 
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor: ...
 

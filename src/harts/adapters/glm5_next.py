@@ -7,7 +7,8 @@ weights computed from the streams); sigmoid-routed MoE with a shared expert and 
 bias; clamped SwiGLU.
 
 The family ships no causal LM class: users load ``Glm5NextForConditionalGeneration``, and harts runs
-its language model and head on text rollouts (:class:`Glm5NextTextOnly`). Its images are refused:
+its language model and head on text rollouts (:class:`~harts.adapters.vision_language.TextOnly`).
+Its images are refused:
 harts does not run GLM-5 Next's vision tower over a forest's images.
 
 Hyper-connections are token-wise (each token's streams mix only among themselves), so the
@@ -24,44 +25,45 @@ import torch
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
 from harts.adapters.glm5_next_indexer import indexed_mla_attention
 from harts.adapters.mixers import kda_mixer
-from harts.adapters.vision_language import VisionLanguage
+from harts.adapters.vision_language import TextOnly
 
 __all__ = ["Glm5NextAdapter"]
 
 _LAYER_ATTRIBUTES = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "attn_hc", "ffn_hc")
-_KDA_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "conv1d", "activation", "forget_gate", "b_proj", "g_a_proj",
-                   "g_b_proj", "o_norm", "o_proj")  # fmt: skip
-_MLA_ATTRIBUTES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "expand_kv",
-                   "o_proj", "indexer", "next_skip_topk", "scaling")  # fmt: skip
-_INDEXER_ATTRIBUTES = ("wq_b", "wk", "k_norm", "weights_proj", "index_kpool_compress_ape",
-                       "index_kpool_compress_gate", "index_kpool_always_select_tail")  # fmt: skip
-
-
-class Glm5NextTextOnly(VisionLanguage):
-    """``Glm5NextForConditionalGeneration`` as harts runs it: its language model and head, on
-    forests without images."""
-
-    model_types = ("glm5_next",)
-    runs_images = False
-
-    def language_model(self, model):
-        return model.model.language_model
-
-    def vision_tower(self, model):
-        return model.model.visual
-
-    def image_token_id(self, config) -> int:
-        return config.image_token_id
-
-    def refused_token_ids(self, config) -> dict[int, str]:
-        return {config.video_token_id: "video token"}
-
-    def refuse_images(self, config) -> None:
-        raise ValueError(
-            "glm5_next: rollouts with images are not supported: harts does not run GLM-5 Next's vision tower "
-            "(Glm5NextVisionModel) over a forest's images, nor place its features at the image tokens; "
-            "train the language model on text rollouts"
-        )
+_KDA_ATTRIBUTES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "conv1d",
+    "activation",
+    "forget_gate",
+    "b_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "o_norm",
+    "o_proj",
+)
+_MLA_ATTRIBUTES = (
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "expand_kv",
+    "o_proj",
+    "indexer",
+    "next_skip_topk",
+    "scaling",
+)
+_INDEXER_ATTRIBUTES = (
+    "wq_b",
+    "wk",
+    "k_norm",
+    "weights_proj",
+    "index_kpool_compress_ape",
+    "index_kpool_compress_gate",
+    "index_kpool_always_select_tail",
+)
 
 
 def _hyper_connected(connection, streams: torch.Tensor, block) -> torch.Tensor:
@@ -101,16 +103,24 @@ class Glm5NextAdapter(FamilyAdapter):
     auto_class = "AutoModelForImageTextToText"
     router_class = "Glm5NextTextTopkRouter"
     moe_balancing = MoEBalancing.BIAS
-    vision_language = Glm5NextTextOnly()
+    vision_language = TextOnly("glm5_next", ("glm5_next",))
     mixers = {
         "linear_attention": (
-            "self_attn", partial(kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x)))
+            "self_attn",
+            partial(kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x))),
         ),
         "indexed_attention": ("self_attn", indexed_mla_attention),
     }
     stock_delta_rule_kernels = ("chunk_kimi_delta_attention",)
-    small_overrides = {"glm5_next": dict(moe_intermediate_size=64, linear_head_dim=32, qk_nope_head_dim=32,
-                                         v_head_dim=32, index_head_dim=32)}  # fmt: skip
+    small_overrides = {
+        "glm5_next": dict(
+            moe_intermediate_size=64,
+            linear_head_dim=32,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            index_head_dim=32,
+        )
+    }
 
     def check_config(self, config) -> None:
         types, indexers = config.layer_types, config.indexer_types
@@ -153,17 +163,46 @@ class Glm5NextAdapter(FamilyAdapter):
         from transformers.models.glm5_next import Glm5NextConfig
 
         text = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=0,
-            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-            n_group=1, topk_group=1, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-            index_topk=8, index_kpool=4, index_head_dim=16, index_n_heads=8, hc_mult=4, hc_sinkhorn_iters=20,
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_rope_head_dim=0,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            index_topk=8,
+            index_kpool=4,
+            index_head_dim=16,
+            index_n_heads=8,
+            hc_mult=4,
+            hc_sinkhorn_iters=20,
             layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-            indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        )  # fmt: skip
-        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=2,
-                      temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=TINY_COMMON["hidden_size"],
-                      projection_intermediate_size=32)  # fmt: skip
+            indexer_types=["full", "full", "shared", "full"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        )
+        vision = dict(
+            depth=1,
+            hidden_size=16,
+            num_heads=2,
+            intermediate_size=32,
+            patch_size=2,
+            temporal_patch_size=1,
+            spatial_merge_size=2,
+            out_hidden_size=TINY_COMMON["hidden_size"],
+            projection_intermediate_size=32,
+        )
         return Glm5NextConfig(text_config={**text, **overrides}, vision_config=vision)
 
     def randomize_tiny(self, model) -> None:

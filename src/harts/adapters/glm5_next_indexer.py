@@ -1,5 +1,6 @@
 """GLM-5 Next's indexed attention along tree paths: NoPE MLA whose keys a lightning indexer picks
-per query, over pooled groups of the query's own path (DeepSeek Sparse Attention with k-pools).
+per query, over pooled groups of the query's own path (DeepSeek Sparse Attention with k-pools; the selection
+is :mod:`harts.adapters.pooled_selection`'s).
 
 What the stock layer computes for one trajectory (``Glm5NextTextIndexer``, ``Glm5NextTextAttention``),
 with P = ``index_kpool``:
@@ -13,14 +14,9 @@ with P = ``index_kpool``:
   ``index_kpool_always_select_tail``, to the tokens of its own incomplete pool;
 - a layer whose ``indexer_types`` entry is ``shared`` reuses the previous layer's selection.
 
-Along a tree the pools of a query are those of its path: a pool is the P path tokens ending at a
-token whose path position is P - 1 modulo P, so each pool is computed once, at its last token,
-from that token's path predecessors, and a query's candidates are the pool ends on its path, never
-a sibling branch's. The indexer runs without gradient in the stock layer (its choice is discrete),
-so its keys cross a micro-batch cut as rows without gradient (``TreeOps.path_rows``), and the
-pools of the context are rebuilt from them. Ties: where the k-th and (k+1)-th best pool scores of a
-query are exactly equal, which of them the stock ``topk`` keeps is its own choice; harts' ``topk``
-over the path's pools may keep the other.
+The indexer runs without gradient in the stock layer (its choice is discrete), so its keys cross
+a micro-batch cut as rows without gradient (``TreeOps.path_rows``), and the pools of the context
+are rebuilt from them.
 
 The selection is a dense [n, m] mask over the micro-batch's key space (its queries against the
 context and its own tokens), and the attention one masked call: memory O(n m) per indexed layer.
@@ -32,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.adapters.base import TreeOps
+from harts.adapters.pooled_selection import pool_ends, select_pools
 
 __all__ = ["indexed_mla_attention", "kpool_selection"]
 
@@ -53,31 +50,15 @@ def kpool_selection(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: TreeOp
         gate = F.linear(hidden, indexer.index_kpool_compress_gate)  # [n, d]
         weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
         key_rows, gate_rows = ctx.path_rows(torch.cat([key, gate], dim=-1)).split([width, width], dim=-1)
-        positions, sees = ctx.key_positions, ctx.path_mask  # [m], [n, m]
-        ends = (positions % pool == pool - 1).nonzero()[:, 0]  # rows that complete a pool
-        members = ctx.key_predecessors(pool)[ends]  # [E, P]: each pool's tokens, in path order
+        ends, members = pool_ends(ctx, pool)  # [E], [E, P]
         logits = gate_rows[members].float() + indexer.index_kpool_compress_ape.float()
         probabilities = logits.softmax(dim=1).to(key_rows.dtype)
         pooled = (probabilities * key_rows[members]).sum(dim=1)  # [E, d]
         scores = F.relu(torch.einsum("nhd,ed->nhe", query.float(), pooled.float()) * indexer.softmax_scale)
         index = torch.einsum("nh,nhe->ne", weights, scores)
-        candidate = sees[:, ends]  # a pool is a query's candidate where it ends on the query's path
-        index = index.masked_fill(~candidate, float("-inf"))
-        groups = int(positions.max()) // pool + 1 if positions.numel() else 0
-        chosen = torch.zeros(n, groups + 1, dtype=torch.bool, device=x.device)
-        k = min(indexer.index_topk // pool, ends.numel())
-        if k:
-            best = index.topk(k, dim=-1).indices  # [n, k]
-            valid = candidate.gather(1, best)
-            group = (positions[ends] // pool)[best]
-            chosen.scatter_(1, torch.where(valid, group, groups), True)
-        row_group = (positions // pool)[None].expand(n, -1)
-        selected = chosen[:, :groups].gather(1, row_group) & sees
-        if indexer.index_kpool_always_select_tail:  # the query's own incomplete pool, raw
-            own = positions[positions.numel() - n:]
-            tail = ((own + 1) % pool != 0)[:, None] & (row_group == (own // pool)[:, None])
-            selected |= tail & sees
-        return selected
+        return select_pools(
+            index, ends, ctx, pool, indexer.index_topk // pool, indexer.index_kpool_always_select_tail
+        )
 
 
 def indexed_mla_attention(attn, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
@@ -95,8 +76,10 @@ def indexed_mla_attention(attn, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
     else:
         selection = ctx.carry.get(_SELECTION)
         if selection is None:  # refused by the adapter's config check; kept as a guard
-            raise ValueError(f"glm5_next layer {attn.layer_idx}: a shared indexer layer without a previous "
-                             f"indexed layer's selection")  # fmt: skip
+            raise ValueError(
+                f"glm5_next layer {attn.layer_idx}: a shared indexer layer without a previous "
+                f"indexed layer's selection"
+            )
     ctx.carry[_SELECTION] = selection if attn.next_skip_topk else None
     out = ctx.attend(query, key, value, attn.scaling, mask=selection)  # [1, n, H, dv]
     return attn.o_proj(out.reshape(1, n, -1))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["VisionLanguage", "TextView", "text_view"]
+__all__ = ["VisionLanguage", "TextOnly", "TextView", "text_view"]
 
 
 class VisionLanguage:
@@ -96,6 +96,35 @@ class VisionLanguage:
     def image_flops(self, model: nn.Module, grid_thw) -> int:
         """Forward FLOPs of the tower on one image of grid (t, h, w) (the FLOP model's term)."""
         raise NotImplementedError
+
+
+class TextOnly(VisionLanguage):
+    """A multimodal model whose images harts does not run: its language model (``model.model.
+    language_model``) and head on forests without images; images refused, naming the family."""
+
+    runs_images = False
+
+    def __init__(self, family: str, model_types: tuple[str, ...]):
+        self.family, self.model_types = family, model_types
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.visual
+
+    def image_token_id(self, config) -> int:
+        return config.image_token_id
+
+    def refused_token_ids(self, config) -> dict[int, str]:
+        return {config.video_token_id: "video token"}
+
+    def refuse_images(self, config) -> None:
+        raise ValueError(
+            f"{self.family}: rollouts with images are not supported: harts does not run the {self.family} "
+            f"vision tower over a forest's images, nor place its features at the image tokens; train the "
+            f"language model on text rollouts"
+        )
 
 
 class TextView(nn.Module):

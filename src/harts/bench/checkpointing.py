@@ -49,7 +49,8 @@ def saved_bytes(fn) -> int:
 def measure(family: str, scale: float, budget: int | None, repeats: int) -> dict:
     cfg = BenchConfig(families=(family,), scale=scale)
     model = make_model(family, cfg).train()
-    rollouts = [harts.Rollout(t) for t in make_trajectories("agentic", cfg, model.config.get_text_config().vocab_size)]
+    vocab = model.config.get_text_config().vocab_size
+    rollouts = [harts.Rollout(t) for t in make_trajectories("agentic", cfg, vocab)]
     forest = harts.build_forest([r.tokens for r in rollouts])
     config = harts.PolicyLossConfig(kind="sft")
 

@@ -251,7 +251,8 @@ def worker(a: argparse.Namespace) -> None:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         probe = tiny_model(a.family, seed=0, **model_overrides(a.family, a))
-        whole, vocab = sum(p.numel() * p.element_size() for p in probe.parameters()), probe.config.get_text_config().vocab_size
+        whole = sum(p.numel() * p.element_size() for p in probe.parameters())
+        vocab = probe.config.get_text_config().vocab_size
         del probe
         tokens = agentic(system_len=a.system_len, num_tasks=a.tasks, rollouts_per_task=a.rollouts_per_task,
                          turns=a.turns, turn_len=a.turn_len, vocab_size=vocab, seed=0)  # fmt: skip

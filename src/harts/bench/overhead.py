@@ -31,7 +31,11 @@ def measure(family: str = "bailing_hybrid", scale: float = 1.0, num_tasks: int =
     """One step's timings on the paper-like shape (``num_tasks`` tasks at ``scale``)."""
     model = tiny_model(family, seed=seed)
     trajectories = scaled(
-        "paper_like", scale, vocab_size=model.config.get_text_config().vocab_size, num_tasks=num_tasks, seed=seed
+        "paper_like",
+        scale,
+        vocab_size=model.config.get_text_config().vocab_size,
+        num_tasks=num_tasks,
+        seed=seed,
     )
     rollouts = [harts.Rollout(t) for t in trajectories]
     start = time.perf_counter()

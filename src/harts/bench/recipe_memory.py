@@ -299,7 +299,8 @@ def worker(a: argparse.Namespace) -> None:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         probe = build_policy(a.family, a)
-        whole, vocab = sum(p.numel() * p.element_size() for p in probe.parameters()), probe.config.get_text_config().vocab_size
+        whole = sum(p.numel() * p.element_size() for p in probe.parameters())
+        vocab = probe.config.get_text_config().vocab_size
         units = unit_bytes(probe)
         del probe
         rollouts = rollouts_of(vocab, a)

@@ -226,6 +226,13 @@ class TreeLayout:
 
     @cached_property
     @_timed
+    def key_tokens(self) -> torch.Tensor:
+        """[m] token id of every key-space row (external rows, then the part's own tokens)."""
+        external = self.global_forest.tokens[torch.as_tensor(self.external_tokens, dtype=torch.long)]
+        return torch.cat([external.to(self.device), self.tokens])
+
+    @cached_property
+    @_timed
     def key_positions(self) -> torch.Tensor:
         """[m] path position of every key-space row (external rows, then the part's own tokens)."""
         external = self.global_forest.token_position[torch.as_tensor(self.external_tokens, dtype=torch.long)]

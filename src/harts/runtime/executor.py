@@ -193,7 +193,8 @@ def run_layout(
         hidden = sharded.embedded(hidden, segments)
     rotary = adapter.rotary(backbone)
     position_embeddings = rotary(hidden, rope_positions(layout)) if rotary is not None else None
-    ctx = MixerContext(layout, position_embeddings, external, recompute_linear)
+    rotary_at = (lambda positions: rotary(hidden, positions)) if rotary is not None else None  # noqa: E731
+    ctx = MixerContext(layout, position_embeddings, external, recompute_linear, rotary_at)
 
     def mlp(layer, x):
         out = layer.mlp(x)

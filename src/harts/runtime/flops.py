@@ -99,9 +99,11 @@ def _active_matmul_weights(layer: nn.Module, top_k: int) -> int:
     experts = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
     expert_params = {id(p) for m in experts for p in m.parameters(recurse=False)}
     conv = {id(m.weight) for m in layer.modules() if isinstance(m, nn.Conv1d)}
+    # an embedding inside a layer (Qwen4-Exp's n-gram table) is read by lookup, not multiplied
+    lookups = {id(m.weight) for m in layer.modules() if isinstance(m, nn.Embedding)}
     count = 0
     for name, p in layer.named_parameters():
-        if id(p) in expert_params or name.rsplit(".", 1)[-1] != "weight":
+        if id(p) in expert_params or id(p) in lookups or name.rsplit(".", 1)[-1] != "weight":
             continue
         if p.dim() == 2 or id(p) in conv:
             count += p.numel()
@@ -135,10 +137,22 @@ def _attention_key_flops(mixer: nn.Module, config) -> int:
     head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // heads
     d_qk = int(getattr(mixer, "qk_head_dim", None) or head_dim)
     d_v = int(getattr(mixer, "v_head_dim", None) or head_dim)
-    indexer = getattr(mixer, "indexer", None)
-    # a lightning indexer scores one pool of ``index_kpool`` keys per query with its own heads
-    pooled = 2 * indexer.n_heads * indexer.head_dim // indexer.index_kpool if indexer is not None else 0
-    return 2 * heads * (d_qk + d_v) + pooled
+    return 2 * heads * (d_qk + d_v) + _indexer_key_flops(getattr(mixer, "indexer", None))
+
+
+def _indexer_key_flops(indexer) -> int:
+    """FLOPs per (query, key) pair of a sparse-attention indexer: its heads score one pool of P keys
+    per query (GLM-5 Next's k-pool indexer, Qwen4-Exp's QSA), so 2 * heads * width / P."""
+    if indexer is None:
+        return 0
+    names = (("n_heads", "head_dim", "index_kpool"), ("index_n_heads", "index_head_dim", "compress_ratio"))
+    for heads, width, pool in names:
+        if hasattr(indexer, heads):
+            product = int(getattr(indexer, heads)) * int(getattr(indexer, width))
+            return 2 * product // int(getattr(indexer, pool))
+    raise ValueError(
+        f"the FLOP model cannot read the sizes of {type(indexer).__name__}; add them in harts.runtime.flops"
+    )
 
 
 def flop_model(model: nn.Module) -> FlopModel:

@@ -76,8 +76,13 @@ class MixerContext:
         position_embeddings,
         external: list[LayerHandoff] | None = None,
         recompute_linear: bool = False,
+        rotary_at=None,
     ):
         self.layout = layout
+        # positions [1, r] -> the model's rotary (cos, sin) there (key_position_embeddings), or None
+        self.rotary_at = rotary_at
+        self._key_tables = None
+        self._conv_channels = 0
         self.recompute_linear = recompute_linear
         self.position_embeddings = position_embeddings
         self.external = external
@@ -93,6 +98,7 @@ class MixerContext:
         backward) reads the same context and records nothing: its exports were taken the first time."""
         self.layer = index
         self.recording = index == len(self.exports)
+        self._conv_channels = 0  # channels of this layer's hand-over the layer's convolutions took so far
         if self.recording:
             self.exports.append(LayerHandoff())
 
@@ -152,9 +158,13 @@ class MixerContext:
     def conv(self, mixed: torch.Tensor, weight, bias) -> torch.Tensor:
         """Depthwise causal conv of ``mixed`` [n, C] along paths (pre-activation); returns [n, C]."""
         rows = self.layout.export_token_rows
-        if rows.numel():
+        if rows.numel():  # a layer's convolutions hand their inputs over side by side, in call order
             exported = mixed[rows]
             if self.recording:
+                earlier = self.exports[self.layer].conv_input
+                if earlier is not None:
+                    wide = torch.promote_types(earlier.dtype, exported.dtype)
+                    exported = torch.cat([earlier.to(wide), exported.to(wide)], dim=1)
                 self.exports[self.layer].conv_input = exported
         ext = self._ext()
         window = weight.shape[-1]
@@ -163,8 +173,26 @@ class MixerContext:
         else:
             predecessors = self.layout.predecessors(window)
         if ext is not None and ext.conv_input is not None:
-            mixed = torch.cat([ext.conv_input.to(mixed.dtype), mixed], dim=0)
+            first, self._conv_channels = self._conv_channels, self._conv_channels + mixed.shape[1]
+            context = ext.conv_input[:, first: self._conv_channels]
+            mixed = torch.cat([context.to(mixed.dtype), mixed], dim=0)
         return tree_short_conv(mixed, weight, predecessors, bias)
+
+    @property
+    def key_position_embeddings(self):
+        """The rotary (cos, sin) [1, m, d] at every key-space row's path position (context rows
+        included): what an indexer reads for keys pooled from earlier tokens."""
+        if self._key_tables is None:
+            if self.rotary_at is None:
+                raise ValueError("this model has no rotary embedding to read at key positions")
+            self._key_tables = self.rotary_at(self.layout.key_positions[None])
+        return self._key_tables
+
+    def path_token_ids(self, window: int) -> torch.Tensor:
+        """[n, window] token ids of each token's last ``window`` path tokens (itself last; -1 before
+        the path start)."""
+        rows = self.layout.predecessors(window)
+        return torch.where(rows >= 0, self.layout.key_tokens[rows.clamp(min=0)], -1)
 
     def recurrence(self, recurrence: Recurrence, *inputs, scale: float | None = None) -> torch.Tensor:
         """``recurrence`` over the layout's linear plan, states handed from parent to child and
@@ -272,8 +300,13 @@ class HandoffBanks:
         if not lay.root_state_source:
             return None
         self._conv_window[part] = conv_window
-        by_name = {"key": self.sources(part), "value": self.sources(part),
-                   "conv_input": self.sources(part, conv_window), "index_rows": self.sources(part)}  # fmt: skip
+        every_row = self.sources(part)
+        by_name = {
+            "key": every_row,
+            "value": every_row,
+            "conv_input": self.sources(part, conv_window),
+            "index_rows": every_row,
+        }
         nodes = sorted(set(lay.root_state_source.values()))
         out = []
         for layer in range(num_layers):

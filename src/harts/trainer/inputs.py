@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harts.adapters.base import registered_adapter
 from harts.data.rollout_files import drift_line, iter_file_steps
 from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
-from harts.adapters.base import registered_adapter
 from harts.tiny import tiny_config, tiny_model, tiny_vision_language_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 

@@ -1,14 +1,16 @@
-"""GLM-5 Next (``glm5_next``): its language model over forests, against the stock forward of each
-trajectory alone.
+"""The sparse-attention hybrids, GLM-5 Next (``glm5_next``) and Qwen4-Exp (``qwen4_exp``), over
+forests, against the stock forward of each trajectory alone.
 
 The generic family tests (tests/test_equivalence.py and the others parametrised over the families)
-hold it to 1e-4 in fp32. Here, what is particular to the family:
+hold them to 1e-4 in fp32. Here, what is particular to them:
 
 - exactness to fp64 rounding: harts on an fp64 copy, with the stock fp32 islands lifted (as the fp64
   reference runs), against the stock fp64 forward of each trajectory alone, on a deep forest whose
-  paths are several indexer pools long, whole and under budgets that cut inside a pool (so a pool's
-  tokens, the indexer's keys and the hyper-connection streams cross cuts);
-- the indexer selects: stock logits with every pool selected differ from the model's, so the
+  paths are several indexer pools long and hold EOS tokens (they cut Qwen4-Exp's n-gram context),
+  whole and under budgets that cut inside a pool and inside the n-gram's dilated convolution (so a
+  pool's tokens, the indexer's keys, the convolutions' windows and the hyper-connection streams
+  cross cuts);
+- the indexers select: stock logits with every pool selected differ from the model's, so the
   selection harts reproduces is a real one (a query attends to a strict subset of its path);
 - refusals: images, a shared indexer layer without an indexed layer before it.
 """
@@ -21,10 +23,19 @@ import pytest
 import torch
 
 import harts
-from harts.tiny import FAMILIES, tiny_model
+from harts.tiny import FAMILIES, tiny_config, tiny_model
 from tests.reference import exact_linear_kernels, fp64_copy, grad_relative_errors, param_grads
 
-pytestmark = pytest.mark.skipif("glm5_next" not in FAMILIES, reason="transformers lacks glm5_next")
+SPARSE = ("glm5_next", "qwen4_exp")
+# the knob that makes each family's indexer keep every pool of a path
+KEEP_ALL = {"glm5_next": dict(index_topk=4 * 64), "qwen4_exp": dict(indexer_budget=4 * 64)}
+
+
+def sparse_family(family: str):
+    return pytest.param(
+        family, marks=pytest.mark.skipif(family not in FAMILIES, reason=f"transformers lacks {family}")
+    )
+
 
 # fp64 rounding over a few thousand operations per value: far below any real fault (a wrong pool,
 # a missed stream, a key from a sibling branch move logits by 1e-3 or more on this model)
@@ -32,13 +43,23 @@ FP64_ATOL = 1e-9
 
 
 def deep_forest(seed: int = 3) -> list[list[int]]:
-    """Trajectories of 18-41 tokens (pools of 4: up to 10 per path) branching at several depths."""
+    """Trajectories of 18-41 tokens (pools of 4: up to 10 per path) branching at several depths, two
+    EOS tokens (id 1) on shared paths."""
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
     trunk = draw(13)
+    trunk[5] = 1
     left, right = trunk + draw(9), trunk[:6] + draw(12)
-    return [left + draw(10), left + draw(19), left[:17] + draw(7), right + draw(5), right + draw(23), trunk[:3]
-            + draw(15), left + draw(10)[:4]]  # fmt: skip
+    left[16] = 1
+    return [
+        left + draw(10),
+        left + draw(19),
+        left[:17] + draw(7),
+        right + draw(5),
+        right + draw(23),
+        trunk[:3] + draw(15),
+        left + draw(10)[:4],
+    ]
 
 
 def stock_fp64(model64, trajectories):
@@ -55,9 +76,9 @@ def stock_fp64(model64, trajectories):
     return logits, param_grads(model64), weights
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("glm5_next", seed=5)
+@pytest.fixture(scope="module", params=[sparse_family(f) for f in SPARSE])
+def model(request):
+    return tiny_model(request.param, seed=5)
 
 
 def test_fp64_tree_equals_each_trajectory_alone(model):
@@ -86,16 +107,22 @@ def test_fp64_step_under_budgets_that_cut_pools(model, budget):
     with exact_linear_kernels(model64):
         for t in trajectories:
             ids = torch.tensor([t])
-            logp = torch.log_softmax(model64(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None]).sum()
+            logp = (
+                torch.log_softmax(model64(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None]).sum()
+            )
             (-logp).backward()
             ref_loss -= float(logp.detach())
     ref_grads = param_grads(model64)
     model64.zero_grad(set_to_none=True)
     total = harts.Normalizers(torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     with exact_linear_kernels(model64):
-        result = harts.rollout_step(model64, [harts.Rollout(t) for t in trajectories],
-                                    harts.PolicyLossConfig(kind="sft"), normalizers=total,
-                                    budget_tokens=budget)  # fmt: skip
+        result = harts.rollout_step(
+            model64,
+            [harts.Rollout(t) for t in trajectories],
+            harts.PolicyLossConfig(kind="sft"),
+            normalizers=total,
+            budget_tokens=budget,
+        )
     if budget is not None:
         assert result.num_micro_batches > 1 and max(result.tokens_per_micro_batch) <= budget
     assert abs(float(result.loss) - ref_loss) <= FP64_ATOL * abs(ref_loss)
@@ -116,10 +143,10 @@ def test_forest_logprobs_under_a_budget(model):
 
 
 def test_the_indexer_selects_a_strict_subset(model):
-    """With every pool selected (index_topk beyond the longest path) the logits change: the
-    selection harts matches above is sparse, not the whole path."""
-    config = model.config.text_config
-    dense = tiny_model("glm5_next", seed=5, index_topk=config.index_kpool * 64)
+    """With every pool selected (a budget beyond the longest path) the logits change: the selection
+    harts matches above is sparse, not the whole path."""
+    family = model.config.get_text_config().model_type.removesuffix("_text")
+    dense = tiny_model(family, seed=5, **KEEP_ALL[family])
     dense.load_state_dict(model.state_dict())
     t = torch.tensor([max(deep_forest(), key=len)])
     with torch.no_grad():
@@ -127,15 +154,62 @@ def test_the_indexer_selects_a_strict_subset(model):
     assert gap > 1e-3
 
 
-def test_images_are_refused(model):
-    rollout = harts.Rollout([3, 4, 5], pixel_values=torch.zeros(4, 12), image_grid_thw=torch.tensor([[1, 2, 2]]))
+def qwen4_exp_multimodal():
+    """A tiny ``Qwen4ExpForConditionalGeneration``: the tiny text model beside a one-block tower."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen4_exp import Qwen4ExpConfig
+
+    text = tiny_config("qwen4_exp").to_dict()
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        num_heads=2,
+        intermediate_size=32,
+        patch_size=2,
+        temporal_patch_size=1,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=16,
+    )
+    torch.manual_seed(5)
+    return AutoModelForImageTextToText.from_config(
+        Qwen4ExpConfig(text_config=text, vision_config=vision)
+    ).eval()
+
+
+@pytest.mark.skipif("qwen4_exp" not in FAMILIES, reason="transformers lacks qwen4_exp")
+def test_qwen4_exp_multimodal_model_runs_as_its_language_model():
+    model = qwen4_exp_multimodal()
+    trajectories = deep_forest()
+    out = harts.forward(model, harts.build_forest(trajectories))
+    with torch.no_grad():
+        for i, t in enumerate(trajectories):
+            stock = model(input_ids=torch.tensor([t])).logits[0]
+            assert (out.trajectory_logits(i).detach() - stock).abs().max() <= 1e-4
+    rollout = harts.Rollout(
+        [3, 4, 5], pixel_values=torch.zeros(4, 12), image_grid_thw=torch.tensor([[1, 2, 2]])
+    )
+    with pytest.raises(ValueError, match="qwen4_exp: rollouts with images are not supported"):
+        harts.image_forest(model, [rollout])
+
+
+@pytest.mark.skipif("glm5_next" not in FAMILIES, reason="transformers lacks glm5_next")
+def test_images_are_refused():
+    model = tiny_model("glm5_next")
+    rollout = harts.Rollout(
+        [3, 4, 5], pixel_values=torch.zeros(4, 12), image_grid_thw=torch.tensor([[1, 2, 2]])
+    )
     with pytest.raises(ValueError, match="glm5_next: rollouts with images are not supported"):
         harts.image_forest(model, [rollout])
 
 
+@pytest.mark.skipif("glm5_next" not in FAMILIES, reason="transformers lacks glm5_next")
 def test_a_shared_indexer_layer_needs_an_indexed_layer_before_it():
     with pytest.raises(ValueError, match="layer 1 reuses the previous layer's indexer selection"):
-        model = tiny_model("glm5_next", layer_types=["linear_attention", "indexed_attention"],
-                           indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
-                           num_hidden_layers=2)  # fmt: skip
+        model = tiny_model(
+            "glm5_next",
+            layer_types=["linear_attention", "indexed_attention"],
+            indexer_types=["full", "shared"],
+            mlp_layer_types=["dense", "sparse"],
+            num_hidden_layers=2,
+        )
         harts.forward(model, harts.build_forest([[3, 4, 5]]))
