@@ -26,6 +26,7 @@ import torch.distributed as dist
 import harts
 from harts.plan.ranks import assign_trees
 from harts.runtime.distributed import close_process_group
+from harts.runtime.model_checks import resolve_model
 from harts.tiny import tiny_model
 
 LOSS = harts.PolicyLossConfig(kind="ppo")
@@ -55,6 +56,7 @@ def wrap(model: torch.nn.Module, kind: str, offload: bool = False) -> torch.nn.M
     # pinned memory needs an accelerator; on CPU ranks the policy runs with it off
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    causal_lm = resolve_model(causal_lm)  # a multimodal model's text causal LM: its decoder layers
     for layer in causal_lm.model.layers:
         fully_shard(layer, **policy)
     return fully_shard(model, **policy)

@@ -101,6 +101,20 @@ def test_one_step_on_two_ranks_equals_one_process(family, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("family", [f for f in ("glm5_next", "qwen4_exp") if f in FAMILIES])
+def test_sparse_hybrids_on_two_ranks_equal_one_process(family, tmp_path):
+    """The sparse-attention hybrids (indexer selections, hyper-connection streams, glm5_next as its
+    multimodal model's language model) under DDP and FSDP2, whole and cut, units one at a time."""
+    out = tmp_path / "ranks.pt"
+    variants = ("ddp", "fsdp", "fsdp-one-unit", "fsdp-held")
+    done = _torchrun(str(HERE / "distributed_worker.py"), "step", family, str(out), *variants)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = torch.load(out, weights_only=True)
+    assert set(results) == set(variants)
+    _check_against_one_process(family, results)
+
+
+@pytest.mark.multiprocess
 def test_one_step_on_four_ranks_equals_one_process(tmp_path):
     """Four ranks, five trees: ranks with one tree and ranks with two stand in for each other's
     forwards and backwards."""
