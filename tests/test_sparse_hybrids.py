@@ -24,6 +24,7 @@ import torch
 
 import harts
 from harts.tiny import FAMILIES, tiny_config, tiny_model
+from tests.helpers import run_train, write_config
 from tests.reference import exact_linear_kernels, fp64_copy, grad_relative_errors, param_grads
 
 SPARSE = ("glm5_next", "qwen4_exp")
@@ -213,3 +214,33 @@ def test_a_shared_indexer_layer_needs_an_indexed_layer_before_it():
             num_hidden_layers=2,
         )
         harts.forward(model, harts.build_forest([[3, 4, 5]]))
+
+
+def test_harts_train_runs_and_its_checkpoint_loads_with_the_family_class(model, tmp_path, capsys):
+    """``harts train`` (GRPO-style PPO with the first step verified against the stock forward) on the
+    family's tiny model; the final checkpoint loads through the family's auto class, every weight
+    found, the run's updates in it."""
+    import transformers
+
+    from harts.adapters import adapter_for_type
+    from harts.trainer.checkpoint import list_checkpoints
+
+    family = model.config.get_text_config().model_type.removesuffix("_text")
+    config = write_config(
+        tmp_path / "run.toml",
+        {"steps": 2},
+        model={"tiny": family},
+        objective={"kind": "ppo", "advantage": "grpo"},
+        run={"budget_tokens": 96, "verify": "first"},
+    )
+    assert run_train(config, tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    assert "step 1 verified against the stock forward" in err
+    final = list_checkpoints(tmp_path / "out" / "checkpoints")[-1].path
+    loader = getattr(transformers, adapter_for_type(family).auto_class)
+    assert f"{adapter_for_type(family).auto_class}.from_pretrained loads it" in err
+    loaded, info = loader.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    initial = tiny_model(family, seed=0).state_dict()
+    changed = [n for n, t in loaded.state_dict().items() if not torch.equal(t, initial[n])]
+    assert changed  # the run's updates, not the initial weights
