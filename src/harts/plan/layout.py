@@ -212,16 +212,7 @@ class TreeLayout:
         if window not in self._predecessors:
             if window < 1:
                 raise ValueError(f"window must be at least 1, got {window}")
-            prev = self.global_forest.token_previous.numpy()
-            cols = [self.global_tokens]
-            for _ in range(window - 1):
-                last = cols[-1]
-                cols.append(np.where(last >= 0, prev[np.maximum(last, 0)], -1))
-            glob = np.stack(cols[::-1], axis=1)
-            rows = np.where(glob >= 0, self.key_rows(glob), -1)
-            if bool((rows[glob >= 0] < 0).any()):
-                raise AssertionError("a convolution window reaches a token this part cannot see")
-            self._predecessors[window] = torch.as_tensor(rows, device=self.device)
+            self._predecessors[window] = self._path_window(self.global_tokens, window)
         return self._predecessors[window]
 
     @cached_property
@@ -247,16 +238,8 @@ class TreeLayout:
         if key not in self._conv:
             if window < 1:
                 raise ValueError(f"window must be at least 1, got {window}")
-            prev = self.global_forest.token_previous.numpy()
-            cols = [np.concatenate([self.external_tokens, self.global_tokens])]
-            for _ in range(window - 1):
-                last = cols[-1]
-                cols.append(np.where(last >= 0, prev[np.maximum(last, 0)], -1))
-            glob = np.stack(cols[::-1], axis=1)
-            rows = np.where(glob >= 0, self.key_rows(glob), -1)
-            if bool((rows[glob >= 0] < 0).any()):
-                raise AssertionError("a window reaches a token this part cannot see")
-            self._conv[key] = torch.as_tensor(rows, device=self.device)
+            key_space = np.concatenate([self.external_tokens, self.global_tokens])
+            self._conv[key] = self._path_window(key_space, window)
         return self._conv[key]
 
     @cached_property
@@ -273,6 +256,20 @@ class TreeLayout:
             sees[start: start + length, self.node_ancestor_keys[node]] = True
             sees[start: start + length, e + start: e + start + length] = own[:length, :length]
         return torch.from_numpy(sees).to(self.device)
+
+    def _path_window(self, global_ids: np.ndarray, window: int) -> torch.Tensor:
+        """[len(global_ids), window] key-space rows of each token's last ``window`` path tokens (itself
+        last, -1 before the path start), walking back along the forest's ``token_previous``."""
+        prev = self.global_forest.token_previous.numpy()
+        cols = [global_ids]
+        for _ in range(window - 1):
+            last = cols[-1]
+            cols.append(np.where(last >= 0, prev[np.maximum(last, 0)], -1))
+        glob = np.stack(cols[::-1], axis=1)
+        rows = np.where(glob >= 0, self.key_rows(glob), -1)
+        if bool((rows[glob >= 0] < 0).any()):
+            raise AssertionError("a window along a path reaches a token this part cannot see")
+        return torch.as_tensor(rows, device=self.device)
 
     @property
     def conv_windows(self) -> list[int]:
