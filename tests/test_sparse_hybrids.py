@@ -244,3 +244,21 @@ def test_harts_train_runs_and_its_checkpoint_loads_with_the_family_class(model, 
     initial = tiny_model(family, seed=0).state_dict()
     changed = [n for n, t in loaded.state_dict().items() if not torch.equal(t, initial[n])]
     assert changed  # the run's updates, not the initial weights
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["tree", "flat"])
+def test_blocks_of_whole_trees_give_the_same_logits(model, share, monkeypatch):
+    """Sparse attention runs block by block over whole trees (several trees of a micro-batch, or its
+    flat trajectories): with blocks of a few trees the logits still equal each trajectory alone."""
+    import harts.plan.layout as layout
+
+    monkeypatch.setattr(layout, "QUERY_BLOCK_TOKENS", 40)
+    rng = random.Random(9)
+    trajectories = deep_forest() + [[rng.randrange(3, 128) for _ in range(n)] for n in (19, 33, 26)]
+    forest = harts.build_forest(trajectories, share_prefixes=share)
+    out = harts.forward(model, forest)
+    assert len(out.layout.query_blocks()) >= 3
+    with torch.no_grad():
+        for i, t in enumerate(trajectories):
+            stock = model(input_ids=torch.tensor([t])).logits[0]
+            assert (out.trajectory_logits(i).detach() - stock).abs().max() <= 1e-4

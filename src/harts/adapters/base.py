@@ -63,16 +63,15 @@ class TreeOps(Protocol):
       :class:`~harts.ops.recurrence.Recurrence` (inputs [n, H, ...] in its order; the gated delta
       rule is :data:`~harts.ops.recurrence.DELTA_RULE`), with parent-to-child state hand-off.
 
-    For sparse attention whose keys an indexer picks per query among the query's own path, over
-    the *key space* (the m rows of the context that earlier micro-batches computed, then the n
-    tokens of this one):
+    For sparse attention whose keys an indexer picks per query among the query's own path:
 
-    - ``path_rows(rows [n, C])`` -> [m, C]: per-token rows without gradient, the context's first
-      (handed over across cuts like keys);
-    - ``key_positions`` [m], ``path_mask`` [n, m] bool (the rows each token's path holds, itself
-      included) and ``key_predecessors(W)`` [m, W] (each row's last W path tokens, -1 before the
-      path start);
-    - ``attend(..., mask=[n, m] bool)``: attention restricted to a selection within each path;
+    - ``path_rows(rows [n, C])`` -> [m, C]: per-token rows without gradient over the *key space*
+      (the m rows of the context that earlier micro-batches computed, then the n tokens of this one;
+      the context's rows handed over across cuts like keys);
+    - ``query_blocks``: the tokens in blocks of whole trees (``start``, ``stop``, the key-space rows
+      ``keys`` they can see, and in the block's indices ``key_positions``, ``query_positions``,
+      ``path_mask`` [nb, mb] and ``key_predecessors(W)``);
+    - ``attend(..., select=f)``: attention restricted, block by block, to ``f(block)`` [nb, mb] bool;
     - ``carry``: a dict for what one layer leaves to a later layer of the same micro-batch (a
       selection the next layer reuses);
     - ``key_position_embeddings``: the rotary (cos, sin) [1, m, d] at every key-space row (keys
@@ -83,18 +82,15 @@ class TreeOps(Protocol):
     """
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
-    key_positions: torch.Tensor
-    path_mask: torch.Tensor
+    query_blocks: list
     carry: dict
     key_position_embeddings: tuple[torch.Tensor, torch.Tensor]
 
     def attend(
-        self, query, key, value, scaling: float, window: int | None = None, sinks=None, mask=None
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None, select=None
     ) -> torch.Tensor: ...
 
     def path_rows(self, rows: torch.Tensor) -> torch.Tensor: ...
-
-    def key_predecessors(self, window: int) -> torch.Tensor: ...
 
     def path_token_ids(self, window: int) -> torch.Tensor: ...
 

@@ -18,8 +18,9 @@ The indexer runs without gradient in the stock layer (its choice is discrete), s
 a micro-batch cut as rows without gradient (``TreeOps.path_rows``), and the pools of the context
 are rebuilt from them.
 
-The selection is a dense [n, m] mask over the micro-batch's key space (its queries against the
-context and its own tokens), and the attention one masked call: memory O(n m) per indexed layer.
+The selection and the attention run block by block (a few whole trees of the micro-batch, against
+the context and their own tokens: :meth:`~harts.plan.layout.TreeLayout.query_blocks`), as masked
+calls over the block's keys: memory O(block tokens x keys they can see) per indexed layer.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.adapters.base import TreeOps
-from harts.adapters.pooled_selection import pool_ends, select_pools
+from harts.adapters.pooled_selection import Selection, pool_ends, select_pools
 
 __all__ = ["indexed_mla_attention", "kpool_selection"]
 
@@ -36,8 +37,9 @@ __all__ = ["indexed_mla_attention", "kpool_selection"]
 _SELECTION = "glm5_next.selection"
 
 
-def kpool_selection(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
-    """[n, m] bool: the key-space rows each of the n queries attends to (within its path).
+def kpool_selection(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: TreeOps) -> Selection:
+    """The keys each query attends to (within its path), block by block: ``select(block)`` -> [nb, mb]
+    bool over a :class:`~harts.plan.layout.QueryBlock`'s queries and keys.
 
     ``x`` [1, n, D]: the layer's normed input; ``q_resid`` [1, n, R]: the query's LoRA residual
     ``q_a_layernorm(q_a_proj(x))``, as the stock indexer reads them.
@@ -45,20 +47,27 @@ def kpool_selection(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: TreeOp
     with torch.no_grad():
         n, heads, width, pool = x.shape[1], indexer.n_heads, indexer.head_dim, indexer.index_kpool
         hidden = x[0]
-        query = indexer.wq_b(q_resid[0]).view(n, heads, width)
+        query = indexer.wq_b(q_resid[0]).view(n, heads, width).float()
         key = indexer.k_norm(indexer.wk(hidden))  # [n, d]
         gate = F.linear(hidden, indexer.index_kpool_compress_gate)  # [n, d]
         weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
         key_rows, gate_rows = ctx.path_rows(torch.cat([key, gate], dim=-1)).split([width, width], dim=-1)
-        ends, members = pool_ends(ctx, pool)  # [E], [E, P]
-        logits = gate_rows[members].float() + indexer.index_kpool_compress_ape.float()
-        probabilities = logits.softmax(dim=1).to(key_rows.dtype)
-        pooled = (probabilities * key_rows[members]).sum(dim=1)  # [E, d]
-        scores = F.relu(torch.einsum("nhd,ed->nhe", query.float(), pooled.float()) * indexer.softmax_scale)
-        index = torch.einsum("nh,nhe->ne", weights, scores)
-        return select_pools(
-            index, ends, ctx, pool, indexer.index_topk // pool, indexer.index_kpool_always_select_tail
+        ape = indexer.index_kpool_compress_ape.float()
+
+    @torch.no_grad()
+    def select(block) -> torch.Tensor:
+        ends, members = pool_ends(block, pool)  # [E], [E, P]
+        keys, gates = key_rows[block.keys][members], gate_rows[block.keys][members]
+        probabilities = (gates.float() + ape).softmax(dim=1).to(keys.dtype)
+        pooled = (probabilities * keys).sum(dim=1)  # [E, d]
+        scores = torch.einsum("nhd,ed->nhe", query[block.start : block.stop], pooled.float())
+        index = torch.einsum(
+            "nh,nhe->ne", weights[block.start : block.stop], F.relu(scores * indexer.softmax_scale)
         )
+        keep = indexer.index_topk // pool
+        return select_pools(index, ends, block, pool, keep, indexer.index_kpool_always_select_tail)
+
+    return Selection(select)
 
 
 def indexed_mla_attention(attn, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
@@ -81,5 +90,5 @@ def indexed_mla_attention(attn, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
                 f"indexed layer's selection"
             )
     ctx.carry[_SELECTION] = selection if attn.next_skip_topk else None
-    out = ctx.attend(query, key, value, attn.scaling, mask=selection)  # [1, n, H, dv]
+    out = ctx.attend(query, key, value, attn.scaling, select=selection)  # [1, n, H, dv]
     return attn.o_proj(out.reshape(1, n, -1))

@@ -30,7 +30,7 @@ __all__ = [
 
 def gqa_attention(
     attn, x, ctx: TreeOps, output_gate: bool = False, window: int | None = None, sinks: bool = False,
-    rope_key: str = "full_attention", rope: bool = True, mask: torch.Tensor | None = None,
+    rope_key: str = "full_attention", rope: bool = True, select=None,
 ) -> torch.Tensor:
     """Grouped-query attention (llama, qwen2/3, mistral, olmo3, gemma3, gpt_oss, ...): the module's
     projections (with their biases), optional q/k norms, RoPE, and optionally qwen3_next's output
@@ -39,8 +39,8 @@ def gqa_attention(
     q/k norms: over each head (qwen3, gemma3, glm4_moe) when the norm's width is the head size,
     else over the whole projection before it is split into heads (olmo3). ``rope_key``: the layer
     type whose rotary table this layer reads, when the context holds one per layer type (gemma3).
-    ``rope=False``: no position embedding at all (nemotron_h's attention layers). ``mask`` [n, m]:
-    the key-space rows each query attends to, a selection within its path (an indexer's).
+    ``rope=False``: no position embedding at all (nemotron_h's attention layers). ``select``: the
+    keys each query attends to, a selection within its path (an indexer's; ``TreeOps.attend``).
     """
     n = x.shape[1]
     head_dim = attn.head_dim
@@ -68,7 +68,7 @@ def gqa_attention(
         cos, sin = tables[rope_key] if isinstance(tables, dict) else tables
         query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
     out = ctx.attend(query, key, value, attn.scaling, window=window,
-                     sinks=attn.sinks if sinks else None, mask=mask).reshape(1, n, -1)
+                     sinks=attn.sinks if sinks else None, select=select).reshape(1, n, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return attn.o_proj(out)

@@ -18,23 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from harts.adapters.base import TreeOps
-
-__all__ = ["pool_ends", "select_pools"]
+__all__ = ["pool_ends", "select_pools", "Selection"]
 
 
-def pool_ends(ctx: TreeOps, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ends [E] key-space rows that complete a pool, members [E, P] each pool's rows in path order)."""
-    ends = (ctx.key_positions % pool == pool - 1).nonzero()[:, 0]
-    return ends, ctx.key_predecessors(pool)[ends]
+def pool_ends(block, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ends [E] the block's key indices that complete a pool, members [E, P] each pool's key indices
+    in path order), for a :class:`~harts.plan.layout.QueryBlock`."""
+    ends = (block.key_positions % pool == pool - 1).nonzero()[:, 0]
+    return ends, block.key_predecessors(pool)[ends]
 
 
 def select_pools(
-    index: torch.Tensor, ends: torch.Tensor, ctx: TreeOps, pool: int, keep: int, tail: bool
+    index: torch.Tensor, ends: torch.Tensor, block, pool: int, keep: int, tail: bool
 ) -> torch.Tensor:
-    """[n, m] bool: the key-space rows each query attends to.
+    """[nb, mb] bool: the block's keys each of its queries attends to.
 
-    ``index`` [n, E]: each query's score of each pool end (any value where the pool is not on the
+    ``index`` [nb, E]: each query's score of each pool end (any value where the pool is not on the
     query's path); ``keep``: the most pools a query keeps; ``tail``: the query also attends to the
     tokens of its own incomplete pool.
 
@@ -42,20 +41,14 @@ def select_pools(
     in path order, one row per number of complete pools, so that ``topk`` sees the same vector.
     """
     n = index.shape[0]
-    positions, sees = ctx.key_positions, ctx.path_mask  # [m], [n, m]
-    own = positions[positions.numel() - n :]
+    positions, sees, own = block.key_positions, block.path_mask, block.query_positions
     groups = int(positions.max()) // pool + 1 if positions.numel() else 0
     group = positions[ends] // pool  # [E]
     on_path = sees[:, ends]  # a pool is a query's candidate where it ends on its path: one per group
     column = torch.full((n, groups + 1), -1, dtype=torch.long, device=index.device)
-    column.scatter_(
-        1,
-        torch.where(on_path, group[None], groups),
-        torch.arange(ends.numel(), device=index.device).expand(n, -1),
-    )
-    by_group = (
-        index.gather(1, column[:, :groups].clamp(min=0)) if ends.numel() else index
-    )  # [n, G]: score of the path's pool g
+    every = torch.arange(ends.numel(), device=index.device).expand(n, -1)
+    column.scatter_(1, torch.where(on_path, group[None], groups), every)
+    by_group = index.gather(1, column[:, :groups].clamp(min=0)) if ends.numel() else index
     complete = (own + 1) // pool  # the query's complete pools: groups 0 .. complete - 1
     chosen = torch.zeros(n, groups, dtype=torch.bool, device=index.device)
     for count in torch.unique(complete).tolist() if ends.numel() else []:
@@ -70,3 +63,16 @@ def select_pools(
         incomplete = ((own + 1) % pool != 0)[:, None] & (row_group == (own // pool)[:, None])
         selected |= incomplete & sees
     return selected
+
+
+class Selection:
+    """``select(block)`` with each block's mask kept: a layer's selection, which a later layer of the
+    same micro-batch may reuse (GLM-5 Next's shared indexer layers)."""
+
+    def __init__(self, select):
+        self.select, self.masks = select, {}
+
+    def __call__(self, block) -> torch.Tensor:
+        if block.start not in self.masks:
+            self.masks[block.start] = self.select(block)
+        return self.masks[block.start]

@@ -71,11 +71,12 @@ _INDEXER_ATTRIBUTES = (
 )
 
 
-def qsa_selection(indexer, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
-    """[n, m] bool: the key-space rows each query attends to, as ``Qwen4ExpTextQSAIndexer`` picks
-    them for the trajectory alone. ``x`` [1, n, D]: the attention's input."""
+def qsa_selection(indexer, x: torch.Tensor, ctx: TreeOps):
+    """``select(block)`` -> [nb, mb] bool: the keys each query attends to, as
+    ``Qwen4ExpTextQSAIndexer`` picks them for the trajectory alone. ``x`` [1, n, D]: the attention's
+    input."""
     with torch.no_grad():
-        n, heads, width, block = (
+        n, heads, width, size = (
             x.shape[1],
             indexer.index_n_heads,
             indexer.index_head_dim,
@@ -85,21 +86,27 @@ def qsa_selection(indexer, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
         query, key = indexer.index_qk_proj(x)[0].split([heads * width, width], dim=-1)
         query = indexer.q_layernorm(query.reshape(1, n, heads, width))
         cos, sin = ctx.position_embeddings
-        query = rotate(query, cos=cos, sin=sin, unsqueeze_dim=2)[0]  # [n, H, d]
+        query = rotate(query, cos=cos, sin=sin, unsqueeze_dim=2)[0].float()  # [n, H, d]
         keys = ctx.path_rows(key)  # [m, d]
-        ends, members = pool_ends(ctx, block)
-        pooled = indexer.k_layernorm(keys[members].float().mean(dim=1).to(keys.dtype))  # [E, d]
         key_cos, key_sin = ctx.key_position_embeddings
-        starts = members[:, 0]  # a block is rotated at its first token's position
+
+    @torch.no_grad()
+    def select(block) -> torch.Tensor:
+        ends, members = pool_ends(block, size)
+        rows = block.keys[members]  # key-space rows of each block's tokens
+        pooled = indexer.k_layernorm(keys[rows].float().mean(dim=1).to(keys.dtype))  # [E, d]
+        starts = rows[:, 0]  # a block of keys is rotated at its first token's position
         pooled = rotate(pooled[:, None], cos=key_cos[0, starts], sin=key_sin[0, starts])[:, 0]
-        scores = torch.einsum("nhd,ed->neh", query.float(), pooled.float())
+        scores = torch.einsum("nhd,ed->neh", query[block.start : block.stop], pooled.float())
         index = torch.relu(scores).sum(dim=-1) / math.sqrt(width)
-        return select_pools(index, ends, ctx, block, indexer.block_topk, tail=True)
+        return select_pools(index, ends, block, size, indexer.block_topk, tail=True)
+
+    return select
 
 
 def qsa_attention(attn, x: torch.Tensor, ctx: TreeOps) -> torch.Tensor:
     """Qwen4-Exp's gated attention over the keys its QSA indexer selects along each path."""
-    return gqa_attention(attn, x, ctx, output_gate=True, mask=qsa_selection(attn.indexer, x, ctx))
+    return gqa_attention(attn, x, ctx, output_gate=True, select=qsa_selection(attn.indexer, x, ctx))
 
 
 def ple_tree(ple, streams: torch.Tensor, ctx: TreeOps) -> torch.Tensor:

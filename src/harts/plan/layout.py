@@ -29,7 +29,11 @@ from harts.plan.linear import LinearPlan, plan_linear
 from harts.plan.linear_cost import LinearCostModel, PlanMode
 from harts.plan.micro_batches import Part
 
-__all__ = ["TreeLayout", "part_forest"]
+__all__ = ["TreeLayout", "QueryBlock", "part_forest"]
+
+# the tokens of a block of whole trees that a sparse attention runs at once (TreeLayout.query_blocks):
+# its memory is about this many queries times the keys they can see, per head
+QUERY_BLOCK_TOKENS = 2048
 
 
 def part_forest(forest: Forest, nodes: np.ndarray) -> tuple[Forest, np.ndarray]:
@@ -230,32 +234,27 @@ class TreeLayout:
         return torch.cat([external.to(self.device), self.positions])
 
     @_timed
-    def key_predecessors(self, window: int) -> torch.Tensor:
-        """[m, window] key-space rows of the path predecessors of every key-space row, external rows
-        included (-1 before the path start): the context above a part holds whole paths, so the
-        predecessors of an external row are external rows too."""
-        key = ("key_predecessors", window)
+    def query_blocks(self, limit: int | None = None) -> list[QueryBlock]:
+        """The part's tokens as blocks of whole trees (root subtrees: a token sees its own tree and the
+        context, nothing of another tree of the part), a few trees to a block, each block at most
+        ``limit`` tokens unless one tree alone is larger: what an attention over explicit [n, m]
+        masks runs block by block, so that its memory grows with a block's tokens times the keys
+        they can see, not with the part's tokens squared."""
+        limit = QUERY_BLOCK_TOKENS if limit is None else limit
+        key = ("query_blocks", limit)
         if key not in self._conv:
-            if window < 1:
-                raise ValueError(f"window must be at least 1, got {window}")
-            key_space = np.concatenate([self.external_tokens, self.global_tokens])
-            self._conv[key] = self._path_window(key_space, window)
+            f = self.local
+            roots = np.flatnonzero(f.node_parent.numpy() < 0)
+            starts = f.node_start.numpy()[roots].tolist() + [self.num_tokens]
+            blocks, first = [], 0
+            for k in range(1, len(starts)):
+                if starts[k] - starts[first] > limit and k - 1 > first:
+                    blocks.append((starts[first], starts[k - 1]))
+                    first = k - 1
+            if self.num_tokens:
+                blocks.append((starts[first], self.num_tokens))
+            self._conv[key] = [QueryBlock(self, a, b) for a, b in blocks]
         return self._conv[key]
-
-    @cached_property
-    @_timed
-    def path_mask(self) -> torch.Tensor:
-        """[n, m] bool: the key-space rows each of the part's tokens sees (its path: ancestors and
-        the earlier tokens of its node, itself included)."""
-        f = self.local
-        sees = np.zeros((self.num_tokens, self.num_keys), dtype=bool)
-        e = self.num_external
-        own = np.tri(int(f.node_length.max()) if f.num_nodes else 0, dtype=bool)
-        starts, lengths = f.node_start.tolist(), f.node_length.tolist()
-        for node, (start, length) in enumerate(zip(starts, lengths, strict=True)):
-            sees[start: start + length, self.node_ancestor_keys[node]] = True
-            sees[start: start + length, e + start: e + start + length] = own[:length, :length]
-        return torch.from_numpy(sees).to(self.device)
 
     def _path_window(self, global_ids: np.ndarray, window: int) -> torch.Tensor:
         """[len(global_ids), window] key-space rows of each token's last ``window`` path tokens (itself
@@ -304,3 +303,58 @@ class TreeLayout:
     @_timed
     def linear_plan(self) -> LinearPlan:
         return plan_linear(self.local, self.linear_mode, self.cost_model).to(self.device)
+
+
+class QueryBlock:
+    """A contiguous run ``[start, stop)`` of a part's tokens made of whole trees, and the key-space
+    rows its tokens can see (``keys``: the context, then the block's own tokens), with what a sparse
+    attention's selection reads over them, in the block's own indices (lazily):
+
+    - ``key_positions`` [mb]: path position of each of the block's key rows;
+    - ``query_positions`` [nb]: path position of each of its tokens;
+    - ``path_mask`` [nb, mb] bool: the key rows each token's path holds (itself included);
+    - ``key_predecessors(W)`` [mb, W]: each key row's last W path tokens as block key indices (itself
+      last, -1 before the path start): the context holds whole paths and the block whole trees, so
+      every predecessor is one of the block's keys.
+    """
+
+    def __init__(self, layout: TreeLayout, start: int, stop: int):
+        self.layout, self.start, self.stop = layout, start, stop
+        e = layout.num_external
+        self.keys = torch.cat([torch.arange(e), torch.arange(e + start, e + stop)]).to(layout.device)
+        self._predecessors: dict[int, torch.Tensor] = {}
+
+    def _local(self, rows: np.ndarray) -> np.ndarray:
+        """Block key index of key-space rows (context rows or the block's own; -1 stays -1)."""
+        e = self.layout.num_external
+        return np.where(rows < e, rows, rows - self.start)
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:
+        return self.layout.key_positions[self.keys]
+
+    @cached_property
+    def query_positions(self) -> torch.Tensor:
+        return self.layout.positions[self.start : self.stop]
+
+    @cached_property
+    def path_mask(self) -> torch.Tensor:
+        lay, f = self.layout, self.layout.local
+        e = lay.num_external
+        sees = np.zeros((self.stop - self.start, self.keys.numel()), dtype=bool)
+        starts, lengths = f.node_start.numpy(), f.node_length.numpy()
+        nodes = np.flatnonzero((starts >= self.start) & (starts < self.stop))
+        own = np.tri(int(lengths[nodes].max()) if nodes.size else 0, dtype=bool)
+        for node in nodes.tolist():
+            q, length = int(starts[node]) - self.start, int(lengths[node])
+            sees[q : q + length, self._local(lay.node_ancestor_keys[node])] = True
+            sees[q : q + length, e + q : e + q + length] = own[:length, :length]
+        return torch.from_numpy(sees).to(lay.device)
+
+    def key_predecessors(self, window: int) -> torch.Tensor:
+        if window not in self._predecessors:
+            lay = self.layout
+            key_space = np.concatenate([lay.external_tokens, lay.global_tokens[self.start : self.stop]])
+            rows = lay._path_window(key_space, window).cpu().numpy()
+            self._predecessors[window] = torch.as_tensor(self._local(rows), device=lay.device)
+        return self._predecessors[window]

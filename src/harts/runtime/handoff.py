@@ -105,21 +105,6 @@ class MixerContext:
     def _ext(self) -> LayerHandoff | None:
         return self.external[self.layer] if self.external is not None else None
 
-    @property
-    def key_positions(self) -> torch.Tensor:
-        """[m] path position of every key-space row (context rows, then the part's tokens)."""
-        return self.layout.key_positions
-
-    @property
-    def path_mask(self) -> torch.Tensor:
-        """[n, m] bool: the key-space rows each token's path holds (itself included)."""
-        return self.layout.path_mask
-
-    def key_predecessors(self, window: int) -> torch.Tensor:
-        """[m, window] key-space rows of each key-space row's last ``window`` path tokens (itself
-        last; -1 before the path start)."""
-        return self.layout.key_predecessors(window)
-
     def path_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [n, C] of the part's tokens (no gradient: an indexer's keys) preceded by the same
         rows of the context that earlier parts computed: [m, C] over the key space."""
@@ -133,12 +118,13 @@ class MixerContext:
         return rows
 
     def attend(
-        self, query, key, value, scaling: float, window: int | None = None, sinks=None, mask=None
+        self, query, key, value, scaling: float, window: int | None = None, sinks=None, select=None
     ) -> torch.Tensor:
         """Tree attention of [1, H, n, d] query/key/value over the key space; returns [1, n, H, dv].
         ``window``: each token sees the last ``window`` tokens of its path; ``sinks`` [H]: per-head
-        logits added to the softmax denominator; ``mask`` [n, m] bool: the key-space rows each query
-        sees (within its path: a sparse selection), one dense call instead of the plan."""
+        logits added to the softmax denominator; ``select(block)`` -> [nb, mb] bool: the keys each
+        query of a :class:`~harts.plan.layout.QueryBlock` sees (a selection within its path), one
+        masked call per block instead of the plan."""
         key, value = key[0], value[0]
         rows = self.layout.export_token_rows
         if rows.numel():  # computed on a replay too, so that it saves what the first run saved
@@ -150,8 +136,12 @@ class MixerContext:
             key, value = torch.cat([ext.key, key], dim=1), torch.cat([ext.value, value], dim=1)
         extra = {k: x for k, x in (("window", window), ("sinks", sinks)) if x is not None}
         query, key, value = attention_inputs(query[0], key, value)  # as SDPA under autocast
-        if mask is not None:
-            return masked_tree_attention(query, key, value, mask, scaling)[None]
+        if select is not None:
+            out = []
+            for b in self.layout.query_blocks():
+                q, k, v = query[:, b.start : b.stop], key[:, b.keys], value[:, b.keys]
+                out.append(masked_tree_attention(q, k, v, select(b), scaling))
+            return torch.cat(out, dim=0)[None]
         plan = self.layout.attention_plan
         return current_backend().attention(query, key, value, plan, scaling, **extra)[None]
 
@@ -177,6 +167,12 @@ class MixerContext:
             context = ext.conv_input[:, first: self._conv_channels]
             mixed = torch.cat([context.to(mixed.dtype), mixed], dim=0)
         return tree_short_conv(mixed, weight, predecessors, bias)
+
+    @property
+    def query_blocks(self):
+        """The part's tokens in blocks of whole trees (:meth:`~harts.plan.layout.TreeLayout.query_blocks`),
+        in token order: the blocks ``attend(select=...)`` runs."""
+        return self.layout.query_blocks()
 
     @property
     def key_position_embeddings(self):
