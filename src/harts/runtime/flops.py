@@ -83,8 +83,8 @@ def _expert_weights(experts: nn.Module) -> tuple[int, int]:
 # layer of its own.
 TOKEN_WISE_LAYERS = ("conv", "mlp", "moe")
 # Layer types whose mixer attends (a window's keys counted as the whole path's).
-# An indexed layer (sparse attention whose keys an indexer picks) runs one masked call over the
-# whole path, as the stock layer does, plus its indexer over the path's pools.
+# An indexed layer (sparse attention whose keys an indexer picks) runs masked calls over the whole
+# path, as the stock layer does, plus its indexer over the path's pools.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "indexed_attention")
 
 
