@@ -113,14 +113,18 @@ def forest_svg(forest: Forest, width: int = 960, row_height: int = 6) -> str:
         shade = int(235 - 175 * (mult[n] - 1) / max(int(mult.max()) - 1, 1))
         x, w = start[n] * scale, max(length[n] * scale, 0.5)
         y, h = first[n] * row_height, (last[n] - first[n] + 1) * row_height
-        tip = (f"node {n}: {length[n]} tokens at positions {start[n]}..{start[n] + length[n] - 1}, "
-               f"{mult[n]} trajectories")  # fmt: skip
+        tip = (
+            f"node {n}: {length[n]} tokens at positions {start[n]}..{start[n] + length[n] - 1}, "
+            f"{mult[n]} trajectories"
+        )
         boxes.append(
             f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" fill="rgb({shade},{shade},255)" '
             f'stroke="white" stroke-width="0.5"><title>{html.escape(tip)}</title></rect>'
         )
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}">' + "".join(boxes) + "</svg>")  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}">' + "".join(boxes) + "</svg>"
+    )
 
 
 def _page(path: Path, stats: dict, svg: str) -> str:

@@ -11,8 +11,14 @@ import torch
 from harts.adapters import adapter_for_type, supported_families
 from harts.adapters.base import all_families, registered_adapter
 
-__all__ = ["ALL_FAMILIES", "FAMILIES", "VISION_LANGUAGE_FAMILIES", "tiny_config", "tiny_model",
-           "tiny_vision_language_model"]  # fmt: skip
+__all__ = [
+    "ALL_FAMILIES",
+    "FAMILIES",
+    "VISION_LANGUAGE_FAMILIES",
+    "tiny_config",
+    "tiny_model",
+    "tiny_vision_language_model",
+]
 
 #: every family harts has an adapter for, in registration order (adapters/__init__.py), including
 #: those the installed transformers lacks (tests parametrised over it skip them, saying why)
@@ -48,8 +54,9 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     return model.eval()
 
 
-def tiny_vision_language_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                               vision: dict | None = None, **overrides):  # fmt: skip
+def tiny_vision_language_model(
+    family: str, seed: int = 0, dtype: torch.dtype = torch.float32, vision: dict | None = None, **overrides
+):
     """A randomly initialised tiny multimodal model of ``family`` (its ``*ForConditionalGeneration``:
     the tiny text model of :func:`tiny_model` with ``overrides``, beside a two-block vision tower
     with ``vision``'s fields) in eval mode."""

@@ -235,9 +235,14 @@ class FamilyAdapter:
 
 # Fields every tiny configuration shares: a 128-token vocabulary and 64-wide hidden states.
 TINY_COMMON = dict(
-    vocab_size=128, hidden_size=64, rms_norm_eps=1e-6, initializer_range=0.08,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=64,
+    rms_norm_eps=1e-6,
+    initializer_range=0.08,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 
 
 class Scaled:
@@ -371,8 +376,11 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"{model_type}: harts folds the family's logit scale into the final norm's output (exact for its "
             f"lm_head only), so a score head over the backbone's hidden states is not supported"
         )
-    check_common_config(config, sliding_windows=adapter.sliding_windows,
-                        final_logit_softcapping=adapter.final_logit_softcapping)  # fmt: skip
+    check_common_config(
+        config,
+        sliding_windows=adapter.sliding_windows,
+        final_logit_softcapping=adapter.final_logit_softcapping,
+    )
     adapter.check_config(config)
     adapter.check_model(model)
     return adapter
@@ -395,9 +403,10 @@ def check_common_config(config, sliding_windows: bool = False, final_logit_softc
     types; sliding windows and final logit soft-capping unless the family's adapter runs them. One
     line naming the option."""
     family = config.model_type
-    if not sliding_windows and (getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-        getattr(config, "layer_types", None) or []
-    )):
+    if not sliding_windows and (
+        getattr(config, "use_sliding_window", False)
+        or "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    ):
         raise ValueError(f"{family}: sliding-window attention is not supported by harts yet")
     rope = getattr(config, "rope_parameters", None) or {}
     types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else set()

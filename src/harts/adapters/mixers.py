@@ -23,14 +23,26 @@ from harts.adapters.base import TreeOps, hf_function
 from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 
 __all__ = [
-    "gqa_attention", "mla_attention", "kda_mixer", "gdn_mixer", "qwen3_5_gdn_projections", "lightning_mixer",
+    "gqa_attention",
+    "mla_attention",
+    "kda_mixer",
+    "gdn_mixer",
+    "qwen3_5_gdn_projections",
+    "lightning_mixer",
     "mamba2_mixer",
-]  # fmt: skip
+]
 
 
 def gqa_attention(
-    attn, x, ctx: TreeOps, output_gate: bool = False, window: int | None = None, sinks: bool = False,
-    rope_key: str = "full_attention", rope: bool = True, select=None,
+    attn,
+    x,
+    ctx: TreeOps,
+    output_gate: bool = False,
+    window: int | None = None,
+    sinks: bool = False,
+    rope_key: str = "full_attention",
+    rope: bool = True,
+    select=None,
 ) -> torch.Tensor:
     """Grouped-query attention (llama, qwen2/3, mistral, olmo3, gemma3, gpt_oss, ...): the module's
     projections (with their biases), optional q/k norms, RoPE, and optionally qwen3_next's output
@@ -67,8 +79,9 @@ def gqa_attention(
         tables = ctx.position_embeddings
         cos, sin = tables[rope_key] if isinstance(tables, dict) else tables
         query, key = hf_function(attn, "apply_rotary_pos_emb")(query, key, cos, sin)
-    out = ctx.attend(query, key, value, attn.scaling, window=window,
-                     sinks=attn.sinks if sinks else None, select=select).reshape(1, n, -1)
+    out = ctx.attend(
+        query, key, value, attn.scaling, window=window, sinks=attn.sinks if sinks else None, select=select
+    ).reshape(1, n, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate)
     return attn.o_proj(out)
@@ -191,7 +204,6 @@ def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) ->
     return attn.out_proj(out.reshape(1, n, -1))
 
 
-
 def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
     """MiniMax lightning attention: silu(qkv), gated linear attention with one fixed decay per head
     (``exp(-slope_rate)``, no scale), RMSNorm over all heads, sigmoid output gate.
@@ -212,9 +224,7 @@ def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
     return attn.out_proj(out)
 
 
-def mamba2_mixer(
-    mixer, x, ctx: TreeOps, gated_norm: bool = True, project=None
-) -> torch.Tensor:
+def mamba2_mixer(mixer, x, ctx: TreeOps, gated_norm: bool = True, project=None) -> torch.Tensor:
     """Mamba-2's SSD layer (nemotron_h, granitemoehybrid, falcon_h1), as the stock ``torch_forward``.
 
     ``in_proj`` gives (gate z, x|B|C, dt) after any unused leading columns; the depthwise conv and
@@ -231,7 +241,7 @@ def mamba2_mixer(
     inner, groups = mixer.intermediate_size, mixer.n_groups
     projected = (mixer.in_proj(x) if project is None else project(mixer, x))[0]  # [N, P]
     used = inner + mixer.conv_dim + heads
-    gate, xbc, dt = projected[:, projected.shape[-1] - used:].split([inner, mixer.conv_dim, heads], dim=-1)
+    gate, xbc, dt = projected[:, projected.shape[-1] - used :].split([inner, mixer.conv_dim, heads], dim=-1)
     xbc = _conv(mixer, xbc, ctx)
     hidden, b, c = torch.split(xbc, [inner, groups * state, groups * state], dim=-1)
     f = _state_dtype(x)

@@ -40,10 +40,18 @@ from harts.runtime.result import step_result
 from harts.tiny import FAMILIES, tiny_model
 
 __all__ = [
-    "BenchConfig", "STEPS", "SHAPES", "Case", "build_case", "variant_fns", "flat_run", "flat_budgets",
+    "BenchConfig",
+    "STEPS",
+    "SHAPES",
+    "Case",
+    "build_case",
+    "variant_fns",
+    "flat_run",
+    "flat_budgets",
     "flat_budget_variants",
-    "is_flat_variant", "make_trajectories",
-]  # fmt: skip
+    "is_flat_variant",
+    "make_trajectories",
+]
 
 SHAPES = ("star", "agentic", "paper_like", "deep", "random")
 
@@ -63,8 +71,9 @@ _SMALL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256)
 
 # The full sweep's families (the KDA, GDN and full-attention ones the benchmark tables report);
 # any supported family can be named with --families.
-DEFAULT_FAMILIES = tuple(f for f in ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama")
-                         if f in FAMILIES)  # fmt: skip
+DEFAULT_FAMILIES = tuple(
+    f for f in ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3", "llama") if f in FAMILIES
+)
 
 
 @dataclass
@@ -130,8 +139,9 @@ def sft_forward_step(
     loss = -logprob.sum()
     loss.backward()
     n = out.layout.num_tokens
-    return step_result(loss.detach(), logprob.detach(), entropy.detach(), layouts=[out.layout],
-                       tokens_per_micro_batch=[n])  # fmt: skip
+    return step_result(
+        loss.detach(), logprob.detach(), entropy.detach(), layouts=[out.layout], tokens_per_micro_batch=[n]
+    )
 
 
 def sft_step(model: nn.Module, forest: Forest, rows: harts.LossRows, run: RunConfig) -> harts.StepResult:
@@ -271,5 +281,3 @@ def variant_fns(case: Case, cfg: BenchConfig) -> tuple[dict[str, Callable[[], ob
             else:
                 fns[name] = peer
     return fns, skipped
-
-

@@ -82,8 +82,14 @@ def measure(family: str, scale: float, budget: int | None, repeats: int) -> dict
             model.gradient_checkpointing_disable()
     for row in rows.values():
         row["time_s"] = statistics.median(row["times"])
-    return dict(family=family, unique_tokens=forest.num_tokens, flat_tokens=forest.num_flat_tokens,
-                budget=budget, threads=torch.get_num_threads(), **rows)  # fmt: skip
+    return dict(
+        family=family,
+        unique_tokens=forest.num_tokens,
+        flat_tokens=forest.num_flat_tokens,
+        budget=budget,
+        threads=torch.get_num_threads(),
+        **rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

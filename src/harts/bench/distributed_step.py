@@ -50,26 +50,40 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fsdp", action="store_true",
-                        help="also FSDP2, with and without overlap, alternating with DDP")  # fmt: skip
+    parser.add_argument(
+        "--fsdp", action="store_true", help="also FSDP2, with and without overlap, alternating with DDP"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
     model = tiny_model(args.family, seed=0)
-    tokens = synthetic.agentic(system_len=600, num_tasks=8, rollouts_per_task=4, turns=3, turn_len=150,
-                               vocab_size=model.config.get_text_config().vocab_size, seed=0)  # fmt: skip
-    rollouts = [harts.Rollout(t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0,
-                              rollout_logprobs=[-1.0] * len(t)) for t in tokens]  # fmt: skip
+    tokens = synthetic.agentic(
+        system_len=600,
+        num_tasks=8,
+        rollouts_per_task=4,
+        turns=3,
+        turn_len=150,
+        vocab_size=model.config.get_text_config().vocab_size,
+        seed=0,
+    )
+    rollouts = [
+        harts.Rollout(t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0, rollout_logprobs=[-1.0] * len(t))
+        for t in tokens
+    ]
     forest = harts.build_forest(tokens)
     plan = assign_trees(forest, world, rank_cost(model))
     mine = [rollouts[i] for i in plan.trajectories[dist.get_rank() if world > 1 else 0]]
-    variants = {"one process": (model, None)} if world == 1 else {
-        "DDP": (torch.nn.parallel.DistributedDataParallel(model), None),
-        "FSDP2, overlapped": (shard(args.family), True),
-        "FSDP2, not overlapped": (shard(args.family), False),
-    }  # fmt: skip
+    variants = (
+        {"one process": (model, None)}
+        if world == 1
+        else {
+            "DDP": (torch.nn.parallel.DistributedDataParallel(model), None),
+            "FSDP2, overlapped": (shard(args.family), True),
+            "FSDP2, not overlapped": (shard(args.family), False),
+        }
+    )
     if world > 1 and not args.fsdp:
         variants = {"DDP": variants["DDP"]}
     loss = harts.PolicyLossConfig(kind="ppo")
@@ -86,8 +100,10 @@ def main() -> None:
             times[name].append(time.perf_counter() - began)
             wrapped.zero_grad()
     if world == 1 or dist.get_rank() == 0:
-        print(f"{world} rank(s): {forest.num_tokens} unique / {forest.num_flat_tokens} flat tokens, max/mean "
-              f"rank cost {plan.imbalance:.3f} ({plan.divided} tree(s) divided)")  # fmt: skip
+        print(
+            f"{world} rank(s): {forest.num_tokens} unique / {forest.num_flat_tokens} flat tokens, max/mean "
+            f"rank cost {plan.imbalance:.3f} ({plan.divided} tree(s) divided)"
+        )
         for name, t in times.items():
             print(f"  {name}: fastest step {min(t[1:]):.3f} s, median {sorted(t[1:])[len(t[1:]) // 2]:.3f} s")
     close_process_group(wait=True)

@@ -60,26 +60,55 @@ MIB = 2**20
 # Worker options: harts' budget_tokens; the model's widths (moe_intermediate and experts: bailing_hybrid's
 # experts); the agentic forest's shape; torch threads per rank; gloo's timeout (s).
 WORKER_OPTIONS = dict(
-    budget=1024, hidden=512, intermediate=1536, moe_intermediate=384, experts=8, layers=8, heads=8,
-    kv_heads=4, head_dim=64, vocab=2048, system_len=600, tasks=2, rollouts_per_task=4, turns=3,
-    turn_len=150, threads=1, dist_timeout=600.0,
-)  # fmt: skip
+    budget=1024,
+    hidden=512,
+    intermediate=1536,
+    moe_intermediate=384,
+    experts=8,
+    layers=8,
+    heads=8,
+    kv_heads=4,
+    head_dim=64,
+    vocab=2048,
+    system_len=600,
+    tasks=2,
+    rollouts_per_task=4,
+    turns=3,
+    turn_len=150,
+    threads=1,
+    dist_timeout=600.0,
+)
 
 
 def model_overrides(family: str, a: argparse.Namespace) -> dict:
     """The tiny config's fields for ``a``'s widths (``--layers`` wide layers)."""
-    common = dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
-                  num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
-                  vocab_size=a.vocab)  # fmt: skip
+    common = dict(
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        vocab_size=a.vocab,
+    )
     if family != "bailing_hybrid":
         return common
     # Ling 3: KDA linear layers, with an MLA full-attention layer every fourth (and last) layer;
     # MLA has a key and a value per head (transformers' forward needs as many KV heads as heads).
-    types = ["full_attention" if i % 4 == 3 or i == a.layers - 1 else "linear_attention"
-             for i in range(a.layers)]  # fmt: skip
-    return dict(common, num_key_value_heads=a.heads, moe_intermediate_size=a.moe_intermediate,
-                num_experts=a.experts, kv_lora_rank=2 * a.head_dim, qk_rope_head_dim=a.head_dim // 2,
-                qk_nope_head_dim=a.head_dim, v_head_dim=a.head_dim, layer_types=types)  # fmt: skip
+    types = [
+        "full_attention" if i % 4 == 3 or i == a.layers - 1 else "linear_attention" for i in range(a.layers)
+    ]
+    return dict(
+        common,
+        num_key_value_heads=a.heads,
+        moe_intermediate_size=a.moe_intermediate,
+        num_experts=a.experts,
+        kv_lora_rank=2 * a.head_dim,
+        qk_rope_head_dim=a.head_dim // 2,
+        qk_nope_head_dim=a.head_dim,
+        v_head_dim=a.head_dim,
+        layer_types=types,
+    )
 
 
 def local_bytes(t) -> int:
@@ -229,8 +258,9 @@ def measure(variant: str, a: argparse.Namespace, mine: list, rounds: int) -> dic
     dist.barrier()
     matched, unseen = address_peak(step, lambda: wrapped.zero_grad(set_to_none=True))
     dist.barrier()
-    return dict(peak_bytes=peak, matched_peak_bytes=matched, unseen_free_bytes=unseen,
-                params_grads_bytes=held)  # fmt: skip
+    return dict(
+        peak_bytes=peak, matched_peak_bytes=matched, unseen_free_bytes=unseen, params_grads_bytes=held
+    )
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -254,10 +284,21 @@ def worker(a: argparse.Namespace) -> None:
         whole = sum(p.numel() * p.element_size() for p in probe.parameters())
         vocab = probe.config.get_text_config().vocab_size
         del probe
-        tokens = agentic(system_len=a.system_len, num_tasks=a.tasks, rollouts_per_task=a.rollouts_per_task,
-                         turns=a.turns, turn_len=a.turn_len, vocab_size=vocab, seed=0)  # fmt: skip
-        rollouts = [harts.Rollout(t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0,
-                                  rollout_logprobs=[-1.0] * len(t)) for t in tokens]  # fmt: skip
+        tokens = agentic(
+            system_len=a.system_len,
+            num_tasks=a.tasks,
+            rollouts_per_task=a.rollouts_per_task,
+            turns=a.turns,
+            turn_len=a.turn_len,
+            vocab_size=vocab,
+            seed=0,
+        )
+        rollouts = [
+            harts.Rollout(
+                t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0, rollout_logprobs=[-1.0] * len(t)
+            )
+            for t in tokens
+        ]
         forest = harts.build_forest(tokens)
         mine = [rollouts[i] for i in assign_trees(forest, world).trajectories[rank]]
         counts = [None] * world
@@ -269,9 +310,16 @@ def worker(a: argparse.Namespace) -> None:
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
-            result = dict(family=a.family, world=world, param_bytes=whole, budget_tokens=a.budget,
-                          overrides=model_overrides(a.family, a), forest_tokens=forest.num_tokens,
-                          forest_flat_tokens=forest.num_flat_tokens, ranks=rows)  # fmt: skip
+            result = dict(
+                family=a.family,
+                world=world,
+                param_bytes=whole,
+                budget_tokens=a.budget,
+                overrides=model_overrides(a.family, a),
+                forest_tokens=forest.num_tokens,
+                forest_flat_tokens=forest.num_flat_tokens,
+                ranks=rows,
+            )
             with open(a.result, "w") as f:
                 json.dump(result, f, indent=1)
         finished = True
@@ -285,19 +333,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(a: argparse.Namespace, family: str, n: int, argv: list[str],
-           module: str = "harts.bench.fsdp_memory") -> dict:  # fmt: skip
+def launch(
+    a: argparse.Namespace, family: str, n: int, argv: list[str], module: str = "harts.bench.fsdp_memory"
+) -> dict:
     """One ``torch.distributed.run`` of N workers of ``module`` (``--worker``); its rank 0's JSON,
     or an error."""
     fd, path = tempfile.mkstemp(suffix=".json", prefix=f"{module.rsplit('.', 1)[-1]}-{family}-{n}-")
     os.close(fd)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={n}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module,
-           "--worker", "--family", family, "--result", path, *argv]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="6",
-               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={n}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        module,
+        "--worker",
+        "--family",
+        family,
+        "--result",
+        path,
+        *argv,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        KINETO_LOG_LEVEL="6",
+        PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
+    )
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = proc.communicate(timeout=a.timeout)
         with open(path) as f:
@@ -326,14 +394,18 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['family']} | {r['world']} | error: {r['error']} |" + " |" * 8)
             continue
         whole, ranks = r["param_bytes"], r["ranks"]
-        top = {v: {k: max(x["variants"][v][k] for x in ranks) for k in ranks[0]["variants"][v]}
-               for v in ranks[0]["variants"]}  # fmt: skip
+        top = {
+            v: {k: max(x["variants"][v][k] for x in ranks) for k in ranks[0]["variants"][v]}
+            for v in ranks[0]["variants"]
+        }
         for v, f in top.items():
             ratio = ""
             if v == "harts_fsdp" and "stock_fsdp" in top and top["stock_fsdp"]["peak_bytes"]:
                 s = top["stock_fsdp"]
-                ratio = (f"{f['peak_bytes'] / s['peak_bytes']:.2f}; "
-                         f"{f['matched_peak_bytes'] / max(1, s['matched_peak_bytes']):.2f}")  # fmt: skip
+                ratio = (
+                    f"{f['peak_bytes'] / s['peak_bytes']:.2f}; "
+                    f"{f['matched_peak_bytes'] / max(1, s['matched_peak_bytes']):.2f}"
+                )
             elif v == "harts_fsdp" and "stock_floor" in top and top["stock_floor"]["peak_bytes"]:
                 # against a lower bound of the stock step's peak: an upper bound of the ratio
                 ratio = f"<= {f['matched_peak_bytes'] / top['stock_floor']['peak_bytes']:.2f} (stock_floor)"
@@ -350,8 +422,9 @@ def parse_launcher(parser: argparse.ArgumentParser, options: dict) -> argparse.N
     """``parser``'s arguments plus the workers' ``options`` (passed on to each worker) and the hidden
     ones a worker process is started with (``--worker``, ``--family``, ``--result``)."""
     for name, default in options.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"default {default}")  # fmt: skip
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=type(default), default=default, help=f"default {default}"
+        )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--family", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -381,8 +454,11 @@ def main() -> None:
             if "error" in r:
                 print(f"{family} N={n}: {r['error']}\n{r.get('log', '')}", file=sys.stderr)
             else:
-                print(f"{family} N={n}: P = {r['param_bytes'] / MIB:.1f} MiB, forest {r['forest_tokens']} "
-                      f"unique / {r['forest_flat_tokens']} flat tokens", flush=True)  # fmt: skip
+                print(
+                    f"{family} N={n}: P = {r['param_bytes'] / MIB:.1f} MiB, forest {r['forest_tokens']} "
+                    f"unique / {r['forest_flat_tokens']} flat tokens",
+                    flush=True,
+                )
             results.append(r)
             if a.out:  # after every run: a later run that fails or is stopped keeps the earlier ones
                 with open(a.out, "w") as f:

@@ -48,15 +48,33 @@ from harts.runtime.flops import flop_model, ideal_speedup
 __all__ = ["SHAPES", "measure", "main"]
 
 SHAPES: dict[str, Callable[[int], list[list[int]]]] = {
-    "agentic-r5": lambda vocab: synthetic.agentic(system_len=700, num_tasks=2, rollouts_per_task=6, turns=3,
-                                                  turn_len=150, branch_prob=0.4, vocab_size=vocab, seed=0),
-    "agentic-r10": lambda vocab: synthetic.agentic(system_len=700, num_tasks=1, rollouts_per_task=10, turns=3,
-                                                   turn_len=60, branch_prob=0.5, vocab_size=vocab, seed=0),
-    "star": lambda vocab: synthetic.star(prompt_len=300, num_completions=24, completion_len=50,
-                                         vocab_size=vocab, seed=0),
-    "deep": lambda vocab: synthetic.deep(trunk_len=60, depth=4, branching=3, seg_len=6, vocab_size=vocab,
-                                         seed=0),
-}  # fmt: skip
+    "agentic-r5": lambda vocab: synthetic.agentic(
+        system_len=700,
+        num_tasks=2,
+        rollouts_per_task=6,
+        turns=3,
+        turn_len=150,
+        branch_prob=0.4,
+        vocab_size=vocab,
+        seed=0,
+    ),
+    "agentic-r10": lambda vocab: synthetic.agentic(
+        system_len=700,
+        num_tasks=1,
+        rollouts_per_task=10,
+        turns=3,
+        turn_len=60,
+        branch_prob=0.5,
+        vocab_size=vocab,
+        seed=0,
+    ),
+    "star": lambda vocab: synthetic.star(
+        prompt_len=300, num_completions=24, completion_len=50, vocab_size=vocab, seed=0
+    ),
+    "deep": lambda vocab: synthetic.deep(
+        trunk_len=60, depth=4, branching=3, seg_len=6, vocab_size=vocab, seed=0
+    ),
+}
 
 
 def _timed(fns: dict[str, Callable[[], object]], model: torch.nn.Module, repeats: int) -> dict[str, float]:
@@ -101,23 +119,38 @@ def measure(
     for b in budgets:
         best = min((flat_of[effective[x]] for x in (b, 4 * b, None)), key=medians.__getitem__)
         speedup = medians[best] / medians[f"tree {b}"]
-        rows.append(dict(family=family, shape=shape, redundancy=flat.num_tokens / tree.num_tokens,
-                         unique_tokens=tree.num_tokens, budget=b, tree_ms=1e3 * medians[f"tree {b}"],
-                         flat_best=best, flat_best_ms=1e3 * medians[best], speedup=speedup, ideal=ideal,
-                         share=speedup / ideal))  # fmt: skip
+        rows.append(
+            dict(
+                family=family,
+                shape=shape,
+                redundancy=flat.num_tokens / tree.num_tokens,
+                unique_tokens=tree.num_tokens,
+                budget=b,
+                tree_ms=1e3 * medians[f"tree {b}"],
+                flat_best=best,
+                flat_best_ms=1e3 * medians[best],
+                speedup=speedup,
+                ideal=ideal,
+                share=speedup / ideal,
+            )
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
     spread = any("share_low" in r for r in rows)
-    lines = ["| shape | R | budget | tree ms | flat best ms (variant) | tree vs flat | ideal | share |"
-             + (" share range |" if spread else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spread else "")]  # fmt: skip
+    lines = [
+        "| shape | R | budget | tree ms | flat best ms (variant) | tree vs flat | ideal | share |"
+        + (" share range |" if spread else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spread else ""),
+    ]
     for r in rows:
         span = f" {100 * r['share_low']:.0f}-{100 * r['share_high']:.0f}% |" if spread else ""
-        lines.append(f"| {r['shape']} | {r['redundancy']:.2f} | {r['budget']} | {r['tree_ms']:.0f} | "
-                     f"{r['flat_best_ms']:.0f} ({r['flat_best']}) | {r['speedup']:.2f} | {r['ideal']:.2f} | "
-                     f"{100 * r['share']:.0f}% |{span}")  # fmt: skip
+        lines.append(
+            f"| {r['shape']} | {r['redundancy']:.2f} | {r['budget']} | {r['tree_ms']:.0f} | "
+            f"{r['flat_best_ms']:.0f} ({r['flat_best']}) | {r['speedup']:.2f} | {r['ideal']:.2f} | "
+            f"{100 * r['share']:.0f}% |{span}"
+        )
     return "\n".join(lines)
 
 
@@ -144,9 +177,23 @@ def _in_processes(shape: str, a: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.processes):
             out = f"{tmp}/{i}.json"
-            cmd = [sys.executable, "-m", "harts.bench.ideal_share", "--family", a.family, "--shapes", shape,
-                   "--budgets", *map(str, a.budgets), "--repeats", str(a.repeats),
-                   "--threads", str(a.threads), "--json", out]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "harts.bench.ideal_share",
+                "--family",
+                a.family,
+                "--shapes",
+                shape,
+                "--budgets",
+                *map(str, a.budgets),
+                "--repeats",
+                str(a.repeats),
+                "--threads",
+                str(a.threads),
+                "--json",
+                out,
+            ]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 runs.append(json.load(f))
@@ -172,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += _in_processes(shape, a)
         else:
             rows += measure(a.family, shape, tuple(a.budgets), a.repeats)
-        print(table(rows[-len(a.budgets):]).split("\n", 2)[-1], flush=True)
+        print(table(rows[-len(a.budgets) :]).split("\n", 2)[-1], flush=True)
     across = f", median over {a.processes} processes" if a.processes > 1 else ""
     print(f"\n{a.family}, {a.threads} thread(s), median of {a.repeats}{across}\n{table(rows)}")
     if a.json:

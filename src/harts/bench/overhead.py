@@ -26,8 +26,9 @@ from harts.tiny import FAMILIES, tiny_model
 __all__ = ["measure", "main"]
 
 
-def measure(family: str = "bailing_hybrid", scale: float = 1.0, num_tasks: int = 5, budget: int = 1024,
-            seed: int = 0) -> dict:  # fmt: skip
+def measure(
+    family: str = "bailing_hybrid", scale: float = 1.0, num_tasks: int = 5, budget: int = 1024, seed: int = 0
+) -> dict:
     """One step's timings on the paper-like shape (``num_tasks`` tasks at ``scale``)."""
     model = tiny_model(family, seed=seed)
     trajectories = scaled(

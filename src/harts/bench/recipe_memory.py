@@ -126,16 +126,23 @@ def set_up(spec: str, a: argparse.Namespace, shard: bool = True) -> dict:
     critic = wrap(fresh_head(build_policy(spec, a), torch.float32, 1).train())
     if not shard:
         return dict(policy=policy, reference=reference, critic=critic)
-    return dict(policy=policy, reference=reference, critic=critic, policy_optim=_adamw(policy),
-                critic_optim=_adamw(critic))  # fmt: skip
+    return dict(
+        policy=policy,
+        reference=reference,
+        critic=critic,
+        policy_optim=_adamw(policy),
+        critic_optim=_adamw(critic),
+    )
 
 
 def unit_bytes(model) -> dict:
     """Bytes of the whole model's FSDP2 units: its largest decoder layer, and the root (the rest)."""
     from harts.adapters import adapter_for
 
-    layers = [sum(p.numel() * p.element_size() for p in layer.parameters())
-              for layer in adapter_for(model).backbone(model).layers]  # fmt: skip
+    layers = [
+        sum(p.numel() * p.element_size() for p in layer.parameters())
+        for layer in adapter_for(model).backbone(model).layers
+    ]
     return dict(
         layer=max(layers), root=sum(p.numel() * p.element_size() for p in model.parameters()) - sum(layers)
     )
@@ -263,8 +270,12 @@ def measure(variant: str, spec: str, a: argparse.Namespace, mine: list, rounds: 
     for name in phase_names:
         dist.barrier()
         found = address_profile(lambda name=name: steps[name](), reset)
-        phases[name] = dict(peak_bytes=found["peak"], unseen_free_bytes=found["unseen"],
-                            left_bytes=found["end"], units_left_gathered=gathered_units(s))  # fmt: skip
+        phases[name] = dict(
+            peak_bytes=found["peak"],
+            unseen_free_bytes=found["unseen"],
+            left_bytes=found["end"],
+            units_left_gathered=gathered_units(s),
+        )
     dist.barrier()
     return dict(held=held, phases=phases)
 
@@ -275,12 +286,27 @@ def rollouts_of(vocab: int, a: argparse.Namespace) -> list:
     import harts
     from harts.data.synthetic import agentic
 
-    tokens = agentic(system_len=a.system_len, num_tasks=a.tasks, rollouts_per_task=a.rollouts_per_task,
-                     turns=a.turns, turn_len=a.turn_len, vocab_size=vocab, seed=0)  # fmt: skip
-    return [harts.Rollout(t, loss_mask=[0] + [1] * (len(t) - 1), advantages=1.0,
-                          rollout_logprobs=[-1.0] * len(t), ref_logprobs=[-1.1] * len(t),
-                          returns=[0.5] * len(t), values=[0.4] * len(t))
-            for t in tokens]  # fmt: skip
+    tokens = agentic(
+        system_len=a.system_len,
+        num_tasks=a.tasks,
+        rollouts_per_task=a.rollouts_per_task,
+        turns=a.turns,
+        turn_len=a.turn_len,
+        vocab_size=vocab,
+        seed=0,
+    )
+    return [
+        harts.Rollout(
+            t,
+            loss_mask=[0] + [1] * (len(t) - 1),
+            advantages=1.0,
+            rollout_logprobs=[-1.0] * len(t),
+            ref_logprobs=[-1.1] * len(t),
+            returns=[0.5] * len(t),
+            values=[0.4] * len(t),
+        )
+        for t in tokens
+    ]
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -318,11 +344,19 @@ def worker(a: argparse.Namespace) -> None:
         dist.all_gather_object(rows, row)
         if rank == 0:
             family, shape = parse_model(a.family)
-            result = dict(model=a.family, world=world, param_bytes=whole, unit_bytes=units,
-                          budget_tokens=a.budget, hold_tokens=a.hold_tokens,
-                          overrides=model_overrides(family, a) if shape == "wide" else {},
-                          forest_tokens=forest.num_tokens, forest_flat_tokens=forest.num_flat_tokens,
-                          trajectories=len(rollouts), ranks=rows)  # fmt: skip
+            result = dict(
+                model=a.family,
+                world=world,
+                param_bytes=whole,
+                unit_bytes=units,
+                budget_tokens=a.budget,
+                hold_tokens=a.hold_tokens,
+                overrides=model_overrides(family, a) if shape == "wide" else {},
+                forest_tokens=forest.num_tokens,
+                forest_flat_tokens=forest.num_flat_tokens,
+                trajectories=len(rollouts),
+                ranks=rows,
+            )
             with open(a.result, "w") as f:
                 json.dump(result, f, indent=1)
         finished = True
@@ -345,8 +379,10 @@ def _top(r: dict) -> dict:
 def table(results: list[dict]) -> str:
     """Markdown: per (model, N), held after set-up and each phase's peak (max over ranks), stock
     and harts, in MiB and in P, and harts / stock."""
-    lines = ["| model | N | held after set-up | phase | stock FSDP2 peak | harts peak | harts / stock |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | N | held after set-up | phase | stock FSDP2 peak | harts peak | harts / stock |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['world']} | error: {r['error']} | | | | |")
@@ -361,8 +397,10 @@ def table(results: list[dict]) -> str:
             stock, tree = top.get("stock", {}).get(p), top.get("harts", {}).get(p)
             ratio = f"{tree / stock:.2f}" if stock and tree is not None else ""
             first = f"| {r['model']} | {r['world']} | {cell(held)} |" if i == 0 else "| | | |"
-            lines.append(f"{first} {p} | {cell(stock) if stock is not None else ''} | "
-                         f"{cell(tree) if tree is not None else ''} | {ratio} |")  # fmt: skip
+            lines.append(
+                f"{first} {p} | {cell(stock) if stock is not None else ''} | "
+                f"{cell(tree) if tree is not None else ''} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -414,8 +452,11 @@ def main() -> None:
                 r["model"] = r.pop("family")
                 print(f"{spec} N={n}: {r['error']}\n{r.get('log', '')}", file=sys.stderr)
             else:
-                print(f"{spec} N={n}: P = {r['param_bytes'] / MIB:.1f} MiB, forest {r['forest_tokens']} "
-                      f"unique / {r['forest_flat_tokens']} flat tokens", flush=True)  # fmt: skip
+                print(
+                    f"{spec} N={n}: P = {r['param_bytes'] / MIB:.1f} MiB, forest {r['forest_tokens']} "
+                    f"unique / {r['forest_flat_tokens']} flat tokens",
+                    flush=True,
+                )
             results.append(r)
             if a.out:  # after every run: a later run that fails or is stopped keeps the earlier ones
                 with open(a.out, "w") as f:

@@ -37,8 +37,15 @@ def rollouts_of(trajectories, seed: int = 0) -> list[harts.Rollout]:
         mask = torch.zeros(len(t), dtype=torch.bool)
         mask[max(1, len(t) // 2) :] = True
         old = -torch.rand(len(t), generator=gen)
-        out.append(harts.Rollout(t, loss_mask=mask, rollout_logprobs=old, ref_logprobs=old,
-                                 advantages=float(torch.randn((), generator=gen))))  # fmt: skip
+        out.append(
+            harts.Rollout(
+                t,
+                loss_mask=mask,
+                rollout_logprobs=old,
+                ref_logprobs=old,
+                advantages=float(torch.randn((), generator=gen)),
+            )
+        )
     return out
 
 
@@ -71,10 +78,12 @@ def main(argv=None):
     trajectories = scaled("agentic", args.scale, seed=0, vocab_size=model.config.get_text_config().vocab_size)
     rollouts = rollouts_of(trajectories)
     tree = harts.build_forest(trajectories)
-    print(f"{args.family} (hidden 128, vocab 1024), agentic forest: {tree.num_trajectories} trajectories, "
-          f"{tree.num_tokens} unique / {tree.num_flat_tokens} flat tokens (R {tree.redundancy:.2f}); "
-          f"budget {args.budget}; {args.threads} threads, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}")  # fmt: skip
+    print(
+        f"{args.family} (hidden 128, vocab 1024), agentic forest: {tree.num_trajectories} trajectories, "
+        f"{tree.num_tokens} unique / {tree.num_flat_tokens} flat tokens (R {tree.redundancy:.2f}); "
+        f"budget {args.budget}; {args.threads} threads, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}"
+    )
     variants = {"tree": (args.budget, True), f"flat@{args.budget}": (args.budget, False)}
     variants |= {f"flat@{b}": (b, False) for b in args.flat_budgets if b != args.budget}
     times = {name: [] for name in variants}
@@ -96,9 +105,11 @@ def main(argv=None):
         print(f"{name:>12} {p:9.3f} {f:10.3f} {p + f:8.3f}")
     tp, tf = med["tree"]
     fp, ff = med[flat_best]
-    print(f"flat best ({flat_best}) / tree: policy {fp / tp:.2f}x, old+ref {ff / tf:.2f}x, "
-          f"three passes {(fp + ff) / (tp + tf):.2f}x; forward-only share of the tree step "
-          f"{tf / (tp + tf):.0%}; max |old log-prob tree - flat| {diff:.1e}")  # fmt: skip
+    print(
+        f"flat best ({flat_best}) / tree: policy {fp / tp:.2f}x, old+ref {ff / tf:.2f}x, "
+        f"three passes {(fp + ff) / (tp + tf):.2f}x; forward-only share of the tree step "
+        f"{tf / (tp + tf):.0%}; max |old log-prob tree - flat| {diff:.1e}"
+    )
 
 
 if __name__ == "__main__":

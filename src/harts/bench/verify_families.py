@@ -46,8 +46,15 @@ def _rollouts(vocab_size: int, seed: int = 0) -> list[harts.Rollout]:
             reply = rng.integers(1, vocab_size, int(rng.integers(5, 20))).tolist()
             tokens = prompt + reply
             mask = [0] * prompt_len + [1] * len(reply)
-            out.append(harts.Rollout(tokens, loss_mask=mask, rollout_logprobs=[-1.0] * len(tokens),
-                                     advantages=float(rng.normal()), group_id=group))  # fmt: skip
+            out.append(
+                harts.Rollout(
+                    tokens,
+                    loss_mask=mask,
+                    rollout_logprobs=[-1.0] * len(tokens),
+                    advantages=float(rng.normal()),
+                    group_id=group,
+                )
+            )
     return out
 
 
@@ -73,20 +80,28 @@ def check(family: str, precision: str, device: str, backend: str, budget: int = 
             status="error", message=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         )
     else:
-        row.update(status="passed", logprob_error=report.value_error, logprob_bound=report.value_bound,
-                   stock_logprob_error=report.stock_value_error,
-                   gradient_ratio=report.gradient_ratio)  # fmt: skip
+        row.update(
+            status="passed",
+            logprob_error=report.value_error,
+            logprob_bound=report.value_bound,
+            stock_logprob_error=report.stock_value_error,
+            gradient_ratio=report.gradient_ratio,
+        )
     row["seconds"] = time.perf_counter() - began
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | precision | status | worst log-prob (stock) | bound | gradients / bound | s |",
-             "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| family | precision | status | worst log-prob (stock) | bound | gradients / bound | s |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r["status"] == "passed":
-            figures = (f"{r['logprob_error']:.2g} ({r['stock_logprob_error']:.2g}) | "
-                       f"{r['logprob_bound']:.2g} | {r['gradient_ratio']:.2g}")  # fmt: skip
+            figures = (
+                f"{r['logprob_error']:.2g} ({r['stock_logprob_error']:.2g}) | "
+                f"{r['logprob_bound']:.2g} | {r['gradient_ratio']:.2g}"
+            )
         else:
             figures = f"{r['message'][:90].replace('|', '/')} | | "
         lines.append(f"| {r['family']} | {r['precision']} | {r['status']} | {figures} | {r['seconds']:.1f} |")
@@ -110,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         for precision in a.precisions:
             rows.append(check(family, precision, a.device, a.backend))
             r = rows[-1]
-            print(f"[verify] {family} {precision}: {r['status']} ({r['seconds']:.1f} s)"
-                  + (f": {r['message']}" if r["status"] != "passed" else ""), flush=True)  # fmt: skip
+            print(
+                f"[verify] {family} {precision}: {r['status']} ({r['seconds']:.1f} s)"
+                + (f": {r['message']}" if r["status"] != "passed" else ""),
+                flush=True,
+            )
             if a.out:  # after every row: a check stopped at its time limit keeps what it measured
                 with open(a.out, "w", encoding="utf-8") as f:
                     json.dump(rows, f, indent=1)

@@ -36,8 +36,16 @@ import torch
 
 from harts.objectives.rows import LossRows
 
-__all__ = ["Correction", "CorrectionEntry", "CORRECTIONS", "check_correction", "correction_weights",
-           "corrected", "old_logprobs_of", "log_rho_of"]  # fmt: skip
+__all__ = [
+    "Correction",
+    "CorrectionEntry",
+    "CORRECTIONS",
+    "check_correction",
+    "correction_weights",
+    "corrected",
+    "old_logprobs_of",
+    "log_rho_of",
+]
 
 Tensor = torch.Tensor
 
@@ -124,31 +132,40 @@ def check_correction(correction, low, high, kind: str, readers: tuple[str, ...])
     if correction is None:
         given = [n for n, v in (("correction_low", low), ("correction_high", high)) if v is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} given without a correction: set correction "
-                             f"({', '.join(c.value for c in Correction)}) or remove "
-                             f"{'them' if len(given) > 1 else 'it'}")  # fmt: skip
+            raise ValueError(
+                f"{' and '.join(given)} given without a correction: set correction "
+                f"({', '.join(c.value for c in Correction)}) or remove "
+                f"{'them' if len(given) > 1 else 'it'}"
+            )
         return None
     try:
         correction = Correction(correction)
     except ValueError:
-        raise ValueError(f"correction must be one of {', '.join(c.value for c in Correction)}, "
-                         f"got {correction!r}") from None  # fmt: skip
+        raise ValueError(
+            f"correction must be one of {', '.join(c.value for c in Correction)}, got {correction!r}"
+        ) from None
     if kind not in readers:
-        raise ValueError(f"correction {correction.value!r} weighs a ratio against old log-probs, and "
-                         f"kind {kind!r} reads none: use one that does ({', '.join(readers)})")  # fmt: skip
+        raise ValueError(
+            f"correction {correction.value!r} weighs a ratio against old log-probs, and "
+            f"kind {kind!r} reads none: use one that does ({', '.join(readers)})"
+        )
     entry = CORRECTIONS[correction]
     if high is None:
-        raise ValueError(f"correction {correction.value!r} needs correction_high (the upper bound of its "
-                         f"ratio), got none")  # fmt: skip
+        raise ValueError(
+            f"correction {correction.value!r} needs correction_high (the upper bound of its ratio), got none"
+        )
     _bound("correction_high", high)
     if not entry.reads_low:
         if low is not None:
-            raise ValueError(f"correction {correction.value!r} truncates at correction_high only; "
-                             f"correction_low = {low!r} would be ignored: remove it")  # fmt: skip
+            raise ValueError(
+                f"correction {correction.value!r} truncates at correction_high only; "
+                f"correction_low = {low!r} would be ignored: remove it"
+            )
         return correction
     if low is None:
-        raise ValueError(f"correction {correction.value!r} needs correction_low (the lower bound of its "
-                         f"ratio), got none")  # fmt: skip
+        raise ValueError(
+            f"correction {correction.value!r} needs correction_low (the lower bound of its ratio), got none"
+        )
     _bound("correction_low", low)
     if low > high:
         raise ValueError(f"correction_low must be <= correction_high, got {low!r} > {high!r}")
@@ -168,12 +185,16 @@ def log_rho_of(rows: LossRows, old_logprob: Tensor | None, what: str) -> Tensor:
     reader in the error)."""
     old = old_logprobs_of(rows, old_logprob)
     if not rows.has_rollout_logprob:
-        raise ValueError(f"{what} needs the behaviour policy's log-probs (the engine's: the rollouts' "
-                         f"rollout_logprobs), and the rollouts carry none")  # fmt: skip
+        raise ValueError(
+            f"{what} needs the behaviour policy's log-probs (the engine's: the rollouts' "
+            f"rollout_logprobs), and the rollouts carry none"
+        )
     if old is None:
-        raise ValueError(f"{what} needs the old policy's log-probs apart from the behaviour's (the "
-                         f"rollouts' old_logprobs, or old_logprob), and got the behaviour's "
-                         f"alone")  # fmt: skip
+        raise ValueError(
+            f"{what} needs the old policy's log-probs apart from the behaviour's (the "
+            f"rollouts' old_logprobs, or old_logprob), and got the behaviour's "
+            f"alone"
+        )
     return old.to(torch.float64) - rows.rollout_logprob.to(old.device, torch.float64)
 
 
@@ -189,8 +210,9 @@ def correction_weights(rows: LossRows, config, old_logprob: Tensor | None = None
     return entry.weight(entry.statistic(log_rho, rows), config.correction_low, config.correction_high)
 
 
-def corrected(per_row: Tensor, rows: LossRows, config, old_logprob: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+def corrected(
+    per_row: Tensor, rows: LossRows, config, old_logprob: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """(``per_row`` [R] times ``config.correction``'s weights, {metric: [R] values}): the policy
     loss's terms corrected, and the per-row values whose token means are the step's mismatch
     metrics. Without a correction the terms come back as they are; without both behaviour and old

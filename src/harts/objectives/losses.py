@@ -27,10 +27,22 @@ from harts.objectives.corrections import Correction, check_correction, corrected
 from harts.objectives.rows import LossRows, check_row_tensor
 
 __all__ = [
-    "Aggregation", "Normalizers", "normalizers_for", "aggregate",
-    "sft_loss", "ppo_clip_loss", "gspo_loss", "KLEstimator", "kl_penalty", "entropy_bonus",
-    "LossKind", "PolicyLossConfig", "compute_loss", "POLICY_LOSSES", "PolicyLossEntry",
-]  # fmt: skip
+    "Aggregation",
+    "Normalizers",
+    "normalizers_for",
+    "aggregate",
+    "sft_loss",
+    "ppo_clip_loss",
+    "gspo_loss",
+    "KLEstimator",
+    "kl_penalty",
+    "entropy_bonus",
+    "LossKind",
+    "PolicyLossConfig",
+    "compute_loss",
+    "POLICY_LOSSES",
+    "PolicyLossEntry",
+]
 
 Tensor = torch.Tensor
 
@@ -352,8 +364,9 @@ class PolicyLossConfig:
                 f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
             )
         readers = tuple(k.value for k, entry in POLICY_LOSSES.items() if entry.needs_behaviour_logprobs)
-        correction = check_correction(self.correction, self.correction_low, self.correction_high,
-                                      self.kind.value, readers)  # fmt: skip
+        correction = check_correction(
+            self.correction, self.correction_low, self.correction_high, self.kind.value, readers
+        )
         object.__setattr__(self, "correction", correction)
 
     @property

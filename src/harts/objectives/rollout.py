@@ -48,8 +48,14 @@ __all__ = [
 LOGPROB_SLACK = 1e-6
 
 _PER_POSITION = (
-    "loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "returns", "values", "old_logprobs",
-)  # fmt: skip
+    "loss_mask",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "values",
+    "old_logprobs",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -305,9 +311,15 @@ def rollouts_from_batch(
     """
     layout = batch_layout(input_ids, attention_mask, cu_seqlens, position_ids)
     tokens = layout.split(input_ids, "input_ids")
-    per_token = {"loss_mask": loss_mask, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
-                 "advantages": advantages, "returns": returns, "values": values,
-                 "old_logprobs": old_logprobs}  # fmt: skip
+    per_token = {
+        "loss_mask": loss_mask,
+        "rollout_logprobs": rollout_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "advantages": advantages,
+        "returns": returns,
+        "values": values,
+        "old_logprobs": old_logprobs,
+    }
     split = {name: layout.split(v, name) for name, v in per_token.items() if v is not None}
     n = layout.num_trajectories
     for name, values in (("rewards", rewards), ("group_ids", group_ids)):
@@ -319,6 +331,12 @@ def rollouts_from_batch(
         reward = float(reward) if isinstance(reward, torch.Tensor) else reward
         group = None if group_ids is None else group_ids[b]
         group = group.item() if isinstance(group, torch.Tensor) else group
-        rollouts.append(Rollout(tokens[b], reward=reward, group_id=group,
-                                **{name: values[b] for name, values in split.items()}))  # fmt: skip
+        rollouts.append(
+            Rollout(
+                tokens[b],
+                reward=reward,
+                group_id=group,
+                **{name: values[b] for name, values in split.items()},
+            )
+        )
     return BatchRollouts(rollouts, layout)

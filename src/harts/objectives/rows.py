@@ -112,9 +112,20 @@ class LossRows:
         each trajectory ``index`` touches.
         """
         index = torch.as_tensor(index, dtype=torch.long, device=self.device)
-        per_row = ("predictor", "target", "target_index", "trajectory", "position", "weight", "advantage",
-                   "rollout_logprob", "ref_logprob", "value_target", "rollout_value",
-                   "old_logprob")  # fmt: skip
+        per_row = (
+            "predictor",
+            "target",
+            "target_index",
+            "trajectory",
+            "position",
+            "weight",
+            "advantage",
+            "rollout_logprob",
+            "ref_logprob",
+            "value_target",
+            "rollout_value",
+            "old_logprob",
+        )
         return replace(self, **{name: getattr(self, name)[index] for name in per_row})
 
     def with_old_logprob(self, old_logprob: torch.Tensor) -> LossRows:
@@ -140,8 +151,18 @@ class LossRows:
         return replace(self, **moved)
 
     def __repr__(self) -> str:
-        flags = [n for n in ("advantage", "rollout_logprob", "old_logprob", "ref_logprob", "value_target",
-                             "rollout_value") if getattr(self, f"has_{n}")]  # fmt: skip
+        flags = [
+            n
+            for n in (
+                "advantage",
+                "rollout_logprob",
+                "old_logprob",
+                "ref_logprob",
+                "value_target",
+                "rollout_value",
+            )
+            if getattr(self, f"has_{n}")
+        ]
         flags = flags or "no annotations"
         return f"LossRows({self.num_rows} rows, {self.num_trajectories} trajectories, with {flags})"
 
@@ -222,9 +243,13 @@ def build_loss_rows(
 
 #: a rollout's per-position annotation -> the rows' field that holds it at each row
 _ANNOTATIONS = {
-    "advantages": "advantage", "rollout_logprobs": "rollout_logprob", "ref_logprobs": "ref_logprob",
-    "returns": "value_target", "values": "rollout_value", "old_logprobs": "old_logprob",
-}  # fmt: skip
+    "advantages": "advantage",
+    "rollout_logprobs": "rollout_logprob",
+    "ref_logprobs": "ref_logprob",
+    "returns": "value_target",
+    "values": "rollout_value",
+    "old_logprobs": "old_logprob",
+}
 
 
 def _annotations(checked, sel: torch.Tensor, trajectory: torch.Tensor, dtype: torch.dtype) -> dict:

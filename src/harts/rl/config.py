@@ -96,24 +96,34 @@ class RLConfig:
             online = " or ".join(kind for kind, entry in POLICY_LOSSES.items() if entry.online_rl)
             raise ValueError(f"objective.kind: {self.objective.kind!r} {loss.offline_only}; use {online}")
         if self.objective.correction is not None:
-            raise ValueError(f"objective.correction: harts rl samples with the policy it trains, so its "
-                             f"rollouts' log-probs are the old policy's and there is no engine-trainer gap "
-                             f"to weigh; remove correction = {self.objective.correction!r}")  # fmt: skip
+            raise ValueError(
+                f"objective.correction: harts rl samples with the policy it trains, so its "
+                f"rollouts' log-probs are the old policy's and there is no engine-trainer gap "
+                f"to weigh; remove correction = {self.objective.correction!r}"
+            )
         if self.objective.advantage is None:
-            raise ValueError(f"objective.advantage: harts rl needs an estimator "
-                             f"({', '.join(TRAIN_ESTIMATORS)}): the sampled rollouts carry rewards, "
-                             f"not advantages")  # fmt: skip
+            raise ValueError(
+                f"objective.advantage: harts rl needs an estimator "
+                f"({', '.join(TRAIN_ESTIMATORS)}): the sampled rollouts carry rewards, "
+                f"not advantages"
+            )
         if self.objective.advantage in CRITIC_ESTIMATORS:
-            raise ValueError(f"objective.advantage: {self.objective.advantage} needs a critic's values, and "
-                             f"harts rl runs no critic (harts train does, with [critic]); use one of "
-                             f"{', '.join(TRAIN_ESTIMATORS)}")  # fmt: skip
+            raise ValueError(
+                f"objective.advantage: {self.objective.advantage} needs a critic's values, and "
+                f"harts rl runs no critic (harts train does, with [critic]); use one of "
+                f"{', '.join(TRAIN_ESTIMATORS)}"
+            )
         if self.objective.temperature not in (1.0, self.sampling.temperature):
-            raise ValueError(f"objective.temperature = {self.objective.temperature} differs from "
-                             f"sampling.temperature = {self.sampling.temperature}: the loss must read the "
-                             f"sampler's distribution; set only sampling.temperature")  # fmt: skip
+            raise ValueError(
+                f"objective.temperature = {self.objective.temperature} differs from "
+                f"sampling.temperature = {self.sampling.temperature}: the loss must read the "
+                f"sampler's distribution; set only sampling.temperature"
+            )
         if len(self.sampling.branching) != self.task.turns:
-            raise ValueError(f"sampling.branching: {len(self.sampling.branching)} entries for "
-                             f"task.turns = {self.task.turns}: give one per turn")  # fmt: skip
+            raise ValueError(
+                f"sampling.branching: {len(self.sampling.branching)} entries for "
+                f"task.turns = {self.task.turns}: give one per turn"
+            )
 
     def loss_config(self) -> PolicyLossConfig:
         """The objective's loss at the sampling temperature."""
@@ -126,10 +136,16 @@ class RLConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "task": TaskConfig, "sampling": SamplingConfig, "objective": ObjectiveConfig,
-    "run": RunSection, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-    "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-}  # fmt: skip
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "sampling": SamplingConfig,
+    "objective": ObjectiveConfig,
+    "run": RunSection,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -150,8 +166,9 @@ def _sampling(table: dict, base: Path) -> SamplingConfig:
     if branching is None:
         return plain
     if not isinstance(branching, list) or not branching:
-        raise ValueError(f"sampling.branching: expected a list of positive integers, one per turn, got "
-                         f"{branching!r}")  # fmt: skip
+        raise ValueError(
+            f"sampling.branching: expected a list of positive integers, one per turn, got {branching!r}"
+        )
     return dataclasses.replace(plain, branching=tuple(branching))
 
 
@@ -177,9 +194,11 @@ def parse_rl_config(table: dict, base: Path, source: Path | None = None, text: s
             sampling = table.get("sampling") if isinstance(table.get("sampling"), dict) else {}
             sampled = sampling.get("temperature", SamplingConfig.temperature)
             if given is not None and given != sampled:
-                raise ValueError(f"objective.temperature = {given} differs from sampling.temperature = "
-                                 f"{sampled}: the loss must read the sampler's distribution; set only "
-                                 f"sampling.temperature")  # fmt: skip
+                raise ValueError(
+                    f"objective.temperature = {given} differs from sampling.temperature = "
+                    f"{sampled}: the loss must read the sampler's distribution; set only "
+                    f"sampling.temperature"
+                )
         if name == "sampling":
             sections[name] = _sampling(section, base)
         else:

@@ -198,8 +198,10 @@ def cache_not_exact(family: str | None) -> str | None:
         from packaging.version import Version
 
         if Version(transformers.__version__) < Version(adapter.exact_cache_from):
-            return (f"its cache in transformers {transformers.__version__} does not give the log-probs of a "
-                    f"full forward after a branch point (exact from {adapter.exact_cache_from})")
+            return (
+                f"its cache in transformers {transformers.__version__} does not give the log-probs of a "
+                f"full forward after a branch point (exact from {adapter.exact_cache_from})"
+            )
     return None
 
 

@@ -33,10 +33,18 @@ from harts.runtime.model_checks import check_model, hooked, resolve_model
 from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = [
-    "forward", "TreeOutput", "run_layout", "check_inputs", "model_device", "layout_for", "row_logprobs",
+    "forward",
+    "TreeOutput",
+    "run_layout",
+    "check_inputs",
+    "model_device",
+    "layout_for",
+    "row_logprobs",
     "run_backend",
-    "check_targets", "plain_linear_head", "resolve_model",
-]  # fmt: skip
+    "check_targets",
+    "plain_linear_head",
+    "resolve_model",
+]
 
 
 class TreeOutput:
@@ -111,8 +119,15 @@ class TreeOutput:
         device = self.hidden_states.device
         predictor, target = predictor.to(device), target.to(device)
         check_targets(target, self.lm_head)
-        return row_logprobs(self.lm_head, self.hidden_states, predictor, target,
-                            chunk_rows or self.chunk_rows, temperature, softcap=self.softcap)  # fmt: skip
+        return row_logprobs(
+            self.lm_head,
+            self.hidden_states,
+            predictor,
+            target,
+            chunk_rows or self.chunk_rows,
+            temperature,
+            softcap=self.softcap,
+        )
 
 
 def plain_linear_head(head: nn.Module) -> bool:
@@ -139,8 +154,16 @@ def check_targets(target: torch.Tensor, head: nn.Module) -> None:
         )
 
 
-def row_logprobs(head: nn.Module, hidden, predictor, target, chunk_rows: int, temperature: float = 1.0, *,
-                 softcap: float | None):
+def row_logprobs(
+    head: nn.Module,
+    hidden,
+    predictor,
+    target,
+    chunk_rows: int,
+    temperature: float = 1.0,
+    *,
+    softcap: float | None,
+):
     """(logprob [R], entropy [R]) of rows (predicting index into ``hidden`` [N, D], target id).
 
     The softmax runs once per distinct predictor. A plain linear head takes the chunked path that
@@ -151,8 +174,16 @@ def row_logprobs(head: nn.Module, hidden, predictor, target, chunk_rows: int, te
     """
     unique, inverse = torch.unique(predictor, return_inverse=True)
     if plain_linear_head(head):
-        return token_logprobs(hidden[unique], head.weight, inverse, target, bias=head.bias,
-                              chunk_rows=chunk_rows, temperature=temperature, softcap=softcap)  # fmt: skip
+        return token_logprobs(
+            hidden[unique],
+            head.weight,
+            inverse,
+            target,
+            bias=head.bias,
+            chunk_rows=chunk_rows,
+            temperature=temperature,
+            softcap=softcap,
+        )
     return head_token_logprobs(hidden[unique], head, inverse, target, chunk_rows, temperature, softcap)
 
 
@@ -209,8 +240,9 @@ def run_layout(
         if checkpointed(model, layer):
             # The model's gradient-checkpointing flag, honoured per decoder layer. Non-reentrant, so
             # what the layer hands to later micro-batches (computed inside) keeps its gradient.
-            run = functools.partial(checkpoint, block, index=index, layer=layer, module=module, mixer=mixer,
-                                    use_reentrant=False)  # fmt: skip
+            run = functools.partial(
+                checkpoint, block, index=index, layer=layer, module=module, mixer=mixer, use_reentrant=False
+            )
         else:
             run = functools.partial(block, index=index, layer=layer, module=module, mixer=mixer)
         hidden = run(hidden) if sharded is None else sharded.layer(index, run, hidden, segments)

@@ -183,8 +183,10 @@ def flop_model(model: nn.Module) -> FlopModel:
             attn += _attention_key_flops(mixer, config)
             n_full += 1
         else:
-            raise ValueError(f"the FLOP model has no term for layer type {layer_type!r} "
-                             f"({model.config.model_type}); add one in harts.runtime.flops")
+            raise ValueError(
+                f"the FLOP model has no term for layer type {layer_type!r} "
+                f"({model.config.model_type}); add one in harts.runtime.flops"
+            )
     return FlopModel(dense, state, attn, n_full, n_linear)
 
 

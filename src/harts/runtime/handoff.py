@@ -54,8 +54,9 @@ class LayerHandoff:
         a part whose graph is held, so that dropping the graph frees it."""
         d = lambda t: None if t is None else t.detach()  # noqa: E731
         states = {n: t.detach() for n, t in self.states.items()}
-        return LayerHandoff(d(self.key), d(self.value), d(self.conv_input), states, self.conv_window,
-                            d(self.index_rows))
+        return LayerHandoff(
+            d(self.key), d(self.value), d(self.conv_input), states, self.conv_window, d(self.index_rows)
+        )
 
 
 class MixerContext:
@@ -164,7 +165,7 @@ class MixerContext:
             predecessors = self.layout.predecessors(window)
         if ext is not None and ext.conv_input is not None:
             first, self._conv_channels = self._conv_channels, self._conv_channels + mixed.shape[1]
-            context = ext.conv_input[:, first: self._conv_channels]
+            context = ext.conv_input[:, first : self._conv_channels]
             mixed = torch.cat([context.to(mixed.dtype), mixed], dim=0)
         return tree_short_conv(mixed, weight, predecessors, bias)
 
@@ -198,9 +199,13 @@ class MixerContext:
         if ext is not None and self.layout.root_state_source:
             root_states = {local: ext.states[glob] for local, glob in self.layout.root_state_source.items()}
         out, states = tree_recurrence(
-            recurrence, inputs, self.layout.linear_plan, scale=scale, root_states=root_states,
+            recurrence,
+            inputs,
+            self.layout.linear_plan,
+            scale=scale,
+            root_states=root_states,
             recompute=self.recompute_linear,
-        )  # fmt: skip
+        )
         for local, glob in self.layout.export_nodes:
             # clone: a state is often a view of a whole call's stacked states, which would stay alive
             exported = states[local].clone()

@@ -35,8 +35,13 @@ from harts.adapters.vision_language import TextView, VisionLanguage
 from harts.forest import Forest, as_token_array, build_forest
 
 __all__ = [
-    "ForestImages", "image_forest", "has_images", "TrajectoryImages", "trajectory_images", "refuse_sharded",
-]  # fmt: skip
+    "ForestImages",
+    "image_forest",
+    "has_images",
+    "TrajectoryImages",
+    "trajectory_images",
+    "refuse_sharded",
+]
 
 Tensor = torch.Tensor
 
@@ -100,8 +105,12 @@ class _Spec:
 
     @classmethod
     def of(cls, vision_language: VisionLanguage, config) -> _Spec:
-        return cls(vision_language.image_token_id(config), vision_language.refused_token_ids(config),
-                   vision_language.merge_size(config), vision_language.pixel_row_width(config))  # fmt: skip
+        return cls(
+            vision_language.image_token_id(config),
+            vision_language.refused_token_ids(config),
+            vision_language.merge_size(config),
+            vision_language.pixel_row_width(config),
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,8 +176,10 @@ def _check_runs(tokens: np.ndarray, index: int, per_image: np.ndarray, spec: _Sp
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     lengths = ends - starts
     if lengths.size != per_image.size or not np.array_equal(lengths, per_image):
-        k = next((k for k in range(min(lengths.size, per_image.size)) if lengths[k] != per_image[k]),
-                 min(lengths.size, per_image.size))  # fmt: skip
+        k = next(
+            (k for k in range(min(lengths.size, per_image.size)) if lengths[k] != per_image[k]),
+            min(lengths.size, per_image.size),
+        )
         at = int(starts[min(k, starts.size - 1)])
         raise ValueError(
             f"trajectory {index}, image {k}: the run of image tokens at position {at} does not hold the "
@@ -186,8 +197,9 @@ def trajectory_images(rollout, index: int, spec: _Spec) -> TrajectoryImages:
             raise ValueError(f"trajectory {index}, position {int(hit[0])}: token {token} is a {what}")
     pixels, grid_values = getattr(rollout, "pixel_values", None), getattr(rollout, "image_grid_thw", None)
     if (pixels is None) != (grid_values is None):
-        given, missing = ("pixel_values", "image_grid_thw") if grid_values is None else (
-            "image_grid_thw", "pixel_values")  # fmt: skip
+        given, missing = (
+            ("pixel_values", "image_grid_thw") if grid_values is None else ("image_grid_thw", "pixel_values")
+        )
         raise ValueError(f"trajectory {index}: {given} without {missing}; give both, as the processor does")
     if pixels is None:
         grid, pixel_tensor = np.zeros((0, 3), dtype=np.int64), None
@@ -252,8 +264,9 @@ def _keys(
     """The trajectory's trie keys: ids for text, ``base + image * stride + index`` for image tokens."""
     keys = t.tokens.copy()
     where = np.flatnonzero(t.tokens == image_token_id)
-    index = np.arange(where.size) - np.repeat(np.cumsum(t.tokens_per_image) - t.tokens_per_image,
-                                              t.tokens_per_image)  # fmt: skip
+    index = np.arange(where.size) - np.repeat(
+        np.cumsum(t.tokens_per_image) - t.tokens_per_image, t.tokens_per_image
+    )
     keys[where] = base + np.repeat(numbers, t.tokens_per_image) * stride + index
     return keys
 
@@ -320,8 +333,10 @@ def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = Tr
     tokens_per_image = np.asarray([int(g.prod()) // spec.merge**2 for g in distinct.grids], dtype=np.int64)
     base = max(max(int(t.tokens.max()) for t in trajectories), spec.image_token_id) + 1
     stride = int(tokens_per_image.max(initial=1))
-    keys = [_keys(t, n, base, stride, spec.image_token_id)
-            for t, n in zip(trajectories, distinct.of_trajectory, strict=True)]  # fmt: skip
+    keys = [
+        _keys(t, n, base, stride, spec.image_token_id)
+        for t, n in zip(trajectories, distinct.of_trajectory, strict=True)
+    ]
     forest = build_forest(keys, share_prefixes=share_prefixes)
     is_image = forest.tokens >= base
     offset = (forest.tokens - base).clamp(min=0)

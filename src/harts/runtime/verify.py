@@ -57,8 +57,14 @@ from harts.forest import Forest, build_forest
 from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
 
-__all__ = ["VerificationError", "Verification", "sample_trajectories", "sample_spans", "verify_sample",
-           "LOW_PRECISION_FACTOR"]  # fmt: skip
+__all__ = [
+    "VerificationError",
+    "Verification",
+    "sample_trajectories",
+    "sample_spans",
+    "verify_sample",
+    "LOW_PRECISION_FACTOR",
+]
 
 Tensor = torch.Tensor
 
@@ -113,8 +119,7 @@ def sample_spans(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, in
         if p >= 0:
             children.setdefault(p, []).append(node)
     ends_here = np.bincount(end_node, minlength=forest.num_nodes)
-    branch = [m for m in range(forest.num_nodes)
-              if len(children.get(m, ())) + (ends_here[m] > 0) >= 2]  # fmt: skip
+    branch = [m for m in range(forest.num_nodes) if len(children.get(m, ())) + (ends_here[m] > 0) >= 2]
     if not branch:
         return [(0, int(lengths[0]))]
     path_end = forest.node_path_start.numpy() + forest.node_length.numpy()
@@ -150,8 +155,9 @@ def _rows(forest: Forest) -> tuple[Tensor, Tensor, list[Tensor]]:
     return predictor, target, paths
 
 
-def _stock_rows(model: nn.Module, ids: Tensor, values: bool, temperature: float,
-                autocast: bool = True) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _stock_rows(
+    model: nn.Module, ids: Tensor, values: bool, temperature: float, autocast: bool = True
+) -> tuple[Tensor, Tensor]:
     """The stock forward of one trajectory: (value, entropy) of each position ``p >= 1`` read at
     ``p - 1`` (log-prob of token ``p`` and the entropy; or the critic's value and zeros)."""
     if "forward" in model.__dict__ and not autocast:
@@ -192,12 +198,19 @@ def _set_aside(params: list[nn.Parameter]):
 def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
     """Each parameter's gradient by name, fp64 on the CPU (zeros where none)."""
     zero = torch.zeros((), dtype=torch.float64)
-    return {n: p.grad.detach().double().cpu() if p.grad is not None else zero.expand(p.shape)
-            for n, p in named}  # fmt: skip
+    return {
+        n: p.grad.detach().double().cpu() if p.grad is not None else zero.expand(p.shape) for n, p in named
+    }
 
 
-def _stock(model: nn.Module, trajectories: list[Tensor], loss: _RowLoss | None, values: bool,
-           temperature: float, autocast: bool) -> tuple[Tensor, dict[str, Tensor] | None]:  # fmt: skip
+def _stock(
+    model: nn.Module,
+    trajectories: list[Tensor],
+    loss: _RowLoss | None,
+    values: bool,
+    temperature: float,
+    autocast: bool,
+) -> tuple[Tensor, dict[str, Tensor] | None]:
     """Stock row values of the sample (fp64, concatenated) and, with ``loss``, the gradients of
     its loss summed over the trajectories (fp64 by name)."""
     device = next(model.parameters()).device
@@ -304,20 +317,32 @@ def verify_sample(
         harts_values = harts_rows(sub, predictor, target, loss, sample_run).detach().double().cpu()
         harts_grads = _grads(named) if gradients else None
     stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast)
-    truth = model if (truth_dtype == torch.float32 and autocast) or label == "fp64" else _truth_model(
-        model, truth_dtype)  # fmt: skip
+    truth = (
+        model
+        if (truth_dtype == torch.float32 and autocast) or label == "fp64"
+        else _truth_model(model, truth_dtype)
+    )
     with _set_aside(params):  # whatever the copy's forward reaches, the model's gradients stay as they were
         true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False)
     del truth
     where = _Where(chosen, [t.numel() for t in trajectories])
     kind = "value" if values else "log-prob"
-    value_error, value_bound, stock_error = _check_values(harts_values, stock_values, true_values, label,
-                                                          where, kind, what)  # fmt: skip
+    value_error, value_bound, stock_error = _check_values(
+        harts_values, stock_values, true_values, label, where, kind, what
+    )
     ratio = None
     if gradients:
         ratio = _check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what)
-    return Verification(tuple(chosen), int(sub.num_flat_tokens), label, value_error, stock_error, value_bound,
-                        ratio, time.perf_counter() - began)  # fmt: skip
+    return Verification(
+        tuple(chosen),
+        int(sub.num_flat_tokens),
+        label,
+        value_error,
+        stock_error,
+        value_bound,
+        ratio,
+        time.perf_counter() - began,
+    )
 
 
 class _Where:
@@ -332,8 +357,9 @@ class _Where:
         return self.chosen[k], int(row - self.starts[k]) + 1
 
 
-def _check_values(harts: Tensor, stock: Tensor, truth: Tensor, label: str, where: _Where, kind: str,
-                  what: str) -> tuple[float, float, float]:  # fmt: skip
+def _check_values(
+    harts: Tensor, stock: Tensor, truth: Tensor, label: str, where: _Where, kind: str, what: str
+) -> tuple[float, float, float]:
     harts_error, stock_error = (harts - truth).abs(), (stock - truth).abs()
     worst, stock_worst = float(harts_error.max()), float(stock_error.max())
     if label in ("fp32", "fp64"):
@@ -356,8 +382,9 @@ def _truth_name(label: str) -> str:
     return "the stock forward in fp64" if label in ("fp32", "fp64") else "the stock forward in fp32"
 
 
-def _check_gradients(harts: dict, stock: dict, truth: dict, label: str, chosen: list[int],
-                     what: str) -> float:  # fmt: skip
+def _check_gradients(
+    harts: dict, stock: dict, truth: dict, label: str, chosen: list[int], what: str
+) -> float:
     """The worst parameter's error as a fraction of its bound (raises above 1)."""
     total = sum(t.numel() for t in truth.values())
     whole = math.sqrt(sum(float(t.pow(2).sum()) for t in truth.values()))
@@ -374,8 +401,10 @@ def _check_gradients(harts: dict, stock: dict, truth: dict, label: str, chosen: 
         stock_error = float((stock[name] - t).norm())
         norm = float(t.norm())
         if low:  # never stricter than fp32's bound
-            bound = max(LOW_PRECISION_FACTOR * stock_error + stock_whole * share,
-                        GRAD_RTOL * norm + GRAD_RTOL * whole * share)
+            bound = max(
+                LOW_PRECISION_FACTOR * stock_error + stock_whole * share,
+                GRAD_RTOL * norm + GRAD_RTOL * whole * share,
+            )
         else:
             bound = max(GRAD_RTOL * norm, 2.0 * stock_error) + GRAD_RTOL * whole * share
         if bound == 0.0:

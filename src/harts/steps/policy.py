@@ -83,10 +83,15 @@ def _check_inputs(
         )
     loss = config.policy_loss
     if loss.needs_advantages and not rows.has_advantage:
-        raise ValueError(f"{config.kind} needs advantages: give the rollouts advantages or use "
-                         f"estimate_advantages")  # fmt: skip
-    if loss.needs_behaviour_logprobs and old_logprob is None and not rows.has_rollout_logprob \
-            and not rows.has_old_logprob:  # fmt: skip
+        raise ValueError(
+            f"{config.kind} needs advantages: give the rollouts advantages or use estimate_advantages"
+        )
+    if (
+        loss.needs_behaviour_logprobs
+        and old_logprob is None
+        and not rows.has_rollout_logprob
+        and not rows.has_old_logprob
+    ):
         raise ValueError(
             f"{config.kind} needs the behaviour policy's log-probs: give the rollouts rollout_logprobs "
             f"or pass old_logprob"
@@ -165,9 +170,16 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     )
     with recorder if recorder is not None else nullcontext(), image_features_once(model, forest):
         result = forest_backward(
-            model, forest, rows.predictor, rows.target, loss_fn, run=run, observer=observer,
-            temperature=config.temperature, sharded=dp.sharded if dp is not None else None,
-        )  # fmt: skip
+            model,
+            forest,
+            rows.predictor,
+            rows.target,
+            loss_fn,
+            run=run,
+            observer=observer,
+            temperature=config.temperature,
+            sharded=dp.sharded if dp is not None else None,
+        )
     if observer is None:
         return replace_result(result, rows=rows), observer
     stats = observer.stats()
@@ -180,8 +192,9 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
     return replace_result(result, rows=rows, moe=stats, loss=loss, metrics=metrics), observer
 
 
-def verify_step(model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig | None = None
-                ) -> Verification:  # fmt: skip
+def verify_step(
+    model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig | None = None
+) -> Verification:
     """``RunConfig(verify=True)``'s check of :func:`forest_step` on ``forest`` alone, computing
     nothing of the step (what ``harts train`` runs on every rank before a verified update, so the
     ranks agree on the verdict before the step's collectives). Raises VerificationError."""
@@ -211,8 +224,9 @@ def _sum_results(result: StepResult, dp: DataParallel, observer: MoEObserver | N
     """Loss, metrics and expert counts of the whole step on every rank: each rank's are its share
     of sums over the step's normalisers, so they add up."""
     names = sorted(result.metrics)
-    values = torch.stack([result.loss.detach().float().reshape(())]
-                         + [result.metrics[n].float().reshape(()) for n in names])  # fmt: skip
+    values = torch.stack(
+        [result.loss.detach().float().reshape(())] + [result.metrics[n].float().reshape(()) for n in names]
+    )
     dp.all_reduce_sum(values)
     loss, metrics, moe = values[0].to(result.loss.dtype), dict(result.metrics), result.moe
     for n, v in zip(names, values[1:], strict=True):

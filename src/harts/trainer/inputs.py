@@ -36,10 +36,25 @@ from harts.tiny import tiny_config, tiny_model, tiny_vision_language_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
 
 __all__ = [
-    "Position", "load_model", "own_memory", "rollout_steps", "count_steps", "data_stream", "fingerprint",
-    "rng_state", "set_rng_state", "seed_everything", "DataCheck", "check_data", "model_vocab_size",
-    "check_embedding", "data_change", "ACCEPT_CHANGED_DATA", "group_spans", "count_groups",
-]  # fmt: skip
+    "Position",
+    "load_model",
+    "own_memory",
+    "rollout_steps",
+    "count_steps",
+    "data_stream",
+    "fingerprint",
+    "rng_state",
+    "set_rng_state",
+    "seed_everything",
+    "DataCheck",
+    "check_data",
+    "model_vocab_size",
+    "check_embedding",
+    "data_change",
+    "ACCEPT_CHANGED_DATA",
+    "group_spans",
+    "count_groups",
+]
 
 #: the ``harts train`` flag that resumes on a changed rollout file
 ACCEPT_CHANGED_DATA = "--accept-changed-data"
@@ -66,8 +81,15 @@ class Position:
         """Whether some but not all updates of the current step of rollouts are done."""
         return (self.ppo_epoch, self.mini_batch) != (0, 0)
 
-    def advance(self, rollouts: int, unique: int, flat: int, seconds: float, steps_per_epoch: int,
-                ppo: PPOSection | None = None) -> None:  # fmt: skip
+    def advance(
+        self,
+        rollouts: int,
+        unique: int,
+        flat: int,
+        seconds: float,
+        steps_per_epoch: int,
+        ppo: PPOSection | None = None,
+    ) -> None:
         """One optimizer update done (over ``rollouts`` rollouts); the next step of rollouts once
         its ``ppo.epochs`` x ``ppo.mini_batches`` updates are."""
         self.step += 1
@@ -119,8 +141,9 @@ def causal_lm_loader(source):
     return getattr(transformers, adapter.auto_class if adapter is not None else "AutoModelForCausalLM")
 
 
-def load_model(config: ModelConfig, seed: int, checkpoint: Path | None = None,
-               images: bool = False) -> torch.nn.Module:  # fmt: skip
+def load_model(
+    config: ModelConfig, seed: int, checkpoint: Path | None = None, images: bool = False
+) -> torch.nn.Module:
     """The model to train: from ``checkpoint`` when resuming, else ``config.path`` or a tiny model;
     ``images``: as its multimodal model (``AutoModelForImageTextToText``, vision tower and all), for
     rollouts that carry images, else as its text causal LM."""
@@ -162,8 +185,9 @@ def rollout_steps(data: DataConfig) -> Iterator[list[Rollout]]:
     """One pass over the file as optimizer steps (``harts.iter_rollout_steps``; groups kept whole).
     Quiet about trajectories split where their context drifted: :func:`check_data` reports them."""
     tokenizer = None if data.tokenizer is None else str(data.tokenizer)
-    steps = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, split_drift=data.split_drift,
-                            warn=False)  # fmt: skip
+    steps = iter_file_steps(
+        data.path, data.rollouts_per_step, tokenizer, split_drift=data.split_drift, warn=False
+    )
     return ([item.rollout for item in step] for step in steps)
 
 
@@ -203,7 +227,7 @@ class DataCheck:
 
 
 def _line(where: str) -> str:
-    """"line N" (or "row N") of a rollout's "file, line N[, trajectory ...]"."""
+    """ "line N" (or "row N") of a rollout's "file, line N[, trajectory ...]"."""
     found = re.findall(r", ((?:line|row) \d+)", where)
     return found[-1] if found else where
 
@@ -225,8 +249,9 @@ def model_vocab_size(config: ModelConfig) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _needs(objective: ObjectiveConfig, reference: bool = False,
-           ppo: PPOSection | None = None) -> list[tuple[str, bool, str]]:  # fmt: skip
+def _needs(
+    objective: ObjectiveConfig, reference: bool = False, ppo: PPOSection | None = None
+) -> list[tuple[str, bool, str]]:
     """(field, whether a line must have it (else: must not), why) for what ``objective`` reads,
     given whether a ``[reference]`` computes the reference log-probs and ``[ppo]`` the old ones."""
     loss = objective.loss_config()
@@ -239,30 +264,52 @@ def _needs(objective: ObjectiveConfig, reference: bool = False,
             needs.append(("reward", True, f"objective.advantage = {estimator!r} reads each rollout's reward"))
     elif loss.policy_loss.needs_advantages:
         estimators = ", ".join(TRAIN_ESTIMATORS)
-        needs.append(("advantages", True, f"objective.kind = {kind!r} needs advantages: give every line "
-                                          f"'advantages', or set objective.advantage ({estimators}) to "
-                                          f"estimate them from rewards"))  # fmt: skip
+        needs.append(
+            (
+                "advantages",
+                True,
+                f"objective.kind = {kind!r} needs advantages: give every line "
+                f"'advantages', or set objective.advantage ({estimators}) to "
+                f"estimate them from rewards",
+            )
+        )
     if loss.policy_loss.needs_behaviour_logprobs and (ppo is None or ppo.old_logprobs == "rollout"):
         how = "" if ppo is None else " (ppo.old_logprobs = 'rollout')"
         why = f"objective.kind = {kind!r} needs the sampler's log-probs{how}"
         needs.append(("rollout_logprobs", True, why))
     if loss.needs_ref_logprobs and reference:
-        needs.append(("ref_logprobs", False, "[reference] computes the reference log-probs: remove the "
-                                             "file's or the [reference] section"))  # fmt: skip
+        needs.append(
+            (
+                "ref_logprobs",
+                False,
+                "[reference] computes the reference log-probs: remove the file's or the [reference] section",
+            )
+        )
     elif loss.needs_ref_logprobs:
-        needs.append(("ref_logprobs", True, f"objective.kl_coef = {loss.kl_coef} needs reference log-probs "
-                                            f"(or a [reference] section to compute them)"))  # fmt: skip
+        needs.append(
+            (
+                "ref_logprobs",
+                True,
+                f"objective.kl_coef = {loss.kl_coef} needs reference log-probs "
+                f"(or a [reference] section to compute them)",
+            )
+        )
     return needs
 
 
-_CHAT_LOGPROBS = (" (the chat form has none, its text being tokenised anew: compute them with "
-                  "[ppo] old_logprobs = 'policy', train with objective.kind = 'sft', or log the token "
-                  "form)")  # fmt: skip
+_CHAT_LOGPROBS = (
+    " (the chat form has none, its text being tokenised anew: compute them with "
+    "[ppo] old_logprobs = 'policy', train with objective.kind = 'sft', or log the token "
+    "form)"
+)
 
 
 def check_data(
-    data: DataConfig, objective: ObjectiveConfig | None = None, vocab_size: int | None = None,
-    reference: bool = False, ppo: PPOSection | None = None,
+    data: DataConfig,
+    objective: ObjectiveConfig | None = None,
+    vocab_size: int | None = None,
+    reference: bool = False,
+    ppo: PPOSection | None = None,
 ) -> DataCheck:
     """One pass over the rollout file that checks all of it before any compute, one step in memory.
 
@@ -283,8 +330,9 @@ def check_data(
     top = (-1, "")
     split, first_split = 0, ""
     images, first_image = 0, ""
-    batches = iter_file_steps(data.path, data.rollouts_per_step, tokenizer, vocab_size, data.split_drift,
-                              warn=False)  # fmt: skip
+    batches = iter_file_steps(
+        data.path, data.rollouts_per_step, tokenizer, vocab_size, data.split_drift, warn=False
+    )
     for steps, batch in enumerate(batches, 1):
         rollouts += len(batch)
         if ppo is not None and (groups := count_groups([item.rollout for item in batch])) < ppo.mini_batches:
@@ -314,8 +362,15 @@ def check_data(
                 top = (int(tokens.max()), f"{item.where}, position {int(tokens.argmax())}")
     if steps == 0:
         raise ValueError(f"data.path: {data.path} holds no rollouts")
-    return DataCheck(steps, rollouts, form, extra, top, (split, first_split) if split else None,
-                     (images, first_image) if images else None)  # fmt: skip
+    return DataCheck(
+        steps,
+        rollouts,
+        form,
+        extra,
+        top,
+        (split, first_split) if split else None,
+        (images, first_image) if images else None,
+    )
 
 
 def group_spans(rollouts: list[Rollout]) -> list[range]:
@@ -353,13 +408,17 @@ def data_change(saved: dict, now: dict, checkpoint: str, path: Path, accept: boo
         before = saved.get(key)
         return f"{'?' if before is None else f'{before:,}'} -> {now[key]:,} {unit}"
 
-    what = (f"sha256 {saved.get('sha256')} -> {now['sha256']}, {pair('size', 'bytes')}, "
-            f"{pair('rollouts', 'rollouts (lines)')}, "
-            f"{pair('steps_per_epoch', 'steps per epoch')}")  # fmt: skip
+    what = (
+        f"sha256 {saved.get('sha256')} -> {now['sha256']}, {pair('size', 'bytes')}, "
+        f"{pair('rollouts', 'rollouts (lines)')}, "
+        f"{pair('steps_per_epoch', 'steps per epoch')}"
+    )
     if not accept:
-        raise ValueError(f"{path} changed since {checkpoint} was written ({what}): an exact resume needs the "
-                         f"same data; pass {ACCEPT_CHANGED_DATA} to continue from {checkpoint}'s position on "
-                         f"the changed file")  # fmt: skip
+        raise ValueError(
+            f"{path} changed since {checkpoint} was written ({what}): an exact resume needs the "
+            f"same data; pass {ACCEPT_CHANGED_DATA} to continue from {checkpoint}'s position on "
+            f"the changed file"
+        )
     return f"{path.name} changed since {checkpoint} was written: {what}"
 
 

@@ -158,8 +158,10 @@ class _Train(Run):
                      "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
         if self.verifying and self.data_check.images is not None:
             self.verifying = False  # the check's stock forward reads token ids only
-            self.say("run.verify: not on rollouts with images (the check's stock forward reads token ids "
-                     "only); the multimodal step's exactness is tested against the stock forward with images")
+            self.say(
+                "run.verify: not on rollouts with images (the check's stock forward reads token ids "
+                "only); the multimodal step's exactness is tested against the stock forward with images"
+            )
         return start, state
 
     def _make_model(self, start: Checkpoint | None, state: dict | None) -> None:
@@ -439,8 +441,11 @@ class _Train(Run):
         redundancy = position.flat_tokens / max(position.unique_tokens, 1)
         unit = "optimizer updates" if config.ppo is not None else "steps"
         family = registered_adapter(self.model.config.model_type)
-        loader = IMAGE_MODEL_LOADER if self.data_check.images is not None else (
-            family.auto_class if family is not None else "AutoModelForCausalLM")
+        loader = (
+            IMAGE_MODEL_LOADER
+            if self.data_check.images is not None
+            else (family.auto_class if family is not None else "AutoModelForCausalLM")
+        )
         loads = (f"{loader}.from_pretrained loads it" if config.lora is None else
                  "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
         if self.critic is not None:

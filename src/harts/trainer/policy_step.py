@@ -58,15 +58,17 @@ def train_step(
     ``advantage_std`` over the whole step's loss rows (the same on every rank); when the rows hold
     both behaviour and old log-probs, ``mismatch_log_rho_abs_max``, the largest |log rho| of the
     step (a maximum, which the step's metrics, sums over its parts and ranks, cannot carry)."""
-    forest, rows, local_forest, local_rows = _agreed(ranks, ValueError, _prepare, model, rollouts, objective,
-                                                     loss, ranks)  # fmt: skip
+    forest, rows, local_forest, local_rows = _agreed(
+        ranks, ValueError, _prepare, model, rollouts, objective, loss, ranks
+    )
     report = None
     if verify:
         report = _agreed(ranks, VerificationError, verify_step, model, local_forest, loss, run)
     reduce = None if ranks is None else all_reduce_sum
     normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
-    result = collective(forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run,
-                        moe=moe)  # fmt: skip
+    result = collective(
+        forest_step, model, local_forest, local_rows, loss, normalizers=normalizers, run=run, moe=moe
+    )
     if loss.policy_loss.needs_advantages and rows.has_advantage:  # the whole step's: alike on every rank
         figures = advantage_stats(rows.advantage)
         result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
@@ -96,13 +98,17 @@ def _prepare(model, rollouts, objective: ObjectiveConfig, loss: PolicyLossConfig
     forest, rows = step_inputs(model, rollouts)
     if objective.advantage is not None:
         if rows.has_advantage:
-            raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
-                             f"advantages already: remove one of them")  # fmt: skip
+            raise ValueError(
+                f"objective.advantage = {objective.advantage!r}, but the rollouts carry "
+                f"advantages already: remove one of them"
+            )
         rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
     elif loss.policy_loss.needs_advantages and not rows.has_advantage:
-        raise ValueError(f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
-                         f"none: set objective.advantage ({', '.join(TRAIN_ESTIMATORS)}) to estimate "
-                         f"them from rewards")  # fmt: skip
+        raise ValueError(
+            f"objective.kind = {loss.kind.value!r} needs advantages and the rollouts carry "
+            f"none: set objective.advantage ({', '.join(TRAIN_ESTIMATORS)}) to estimate "
+            f"them from rewards"
+        )
     if ranks is None:
         return forest, rows, forest, rows
     local, _ = local_rollouts(rollouts, rows, forest, ranks)

@@ -58,17 +58,27 @@ from harts.trainer.inputs import group_spans, load_model
 from harts.trainer.processes import Ranks, fsdp_shard
 from harts.trainer.rank_passes import over_ranks
 
-__all__ = ["load_reference", "shard_reference", "weights_sha256", "with_logprobs", "with_advantages",
-           "mini_batches", "Update", "StepUpdates"]  # fmt: skip
+__all__ = [
+    "load_reference",
+    "shard_reference",
+    "weights_sha256",
+    "with_logprobs",
+    "with_advantages",
+    "mini_batches",
+    "Update",
+    "StepUpdates",
+]
 
 
 def load_reference(reference: ReferenceSection, model: ModelConfig, seed: int) -> nn.Module:
     """The frozen reference: the run's starting weights (``"initial"``) or a local directory, in
     ``reference.dtype`` on ``reference.device`` (default: the policy's), eval mode, no gradients."""
     config = dataclasses.replace(
-        model, dtype=reference.dtype or model.dtype, device=reference.device or model.device,
+        model,
+        dtype=reference.dtype or model.dtype,
+        device=reference.device or model.device,
         gradient_checkpointing=False,
-    )  # fmt: skip
+    )
     if not reference.initial:
         config = dataclasses.replace(config, path=Path(reference.model), tiny=None, seed=None)
     with torch.random.fork_rng(devices=[]):  # a tiny model's init seeds torch: leave the run's RNG alone
@@ -95,8 +105,14 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def with_logprobs(model: nn.Module, rollouts: list[Rollout], field: str, run: RunConfig,
-                  temperature: float, ranks: Ranks | None = None) -> list[Rollout]:  # fmt: skip
+def with_logprobs(
+    model: nn.Module,
+    rollouts: list[Rollout],
+    field: str,
+    run: RunConfig,
+    temperature: float,
+    ranks: Ranks | None = None,
+) -> list[Rollout]:
     """Copies of ``rollouts`` whose ``field`` (``ref_logprobs`` or ``old_logprobs``) holds
     ``model``'s log-probs at their loss positions (0 elsewhere), forward only, under ``run``'s
     budget, at the objective's sampling temperature; with ``ranks``, each rank scores its own
@@ -114,14 +130,17 @@ def with_advantages(model: nn.Module, rollouts: list[Rollout], objective: Object
     """Copies of ``rollouts`` with the advantages ``objective.advantage`` estimates over all of them."""
     forest, rows = step_inputs(model, rollouts)
     if rows.has_advantage:
-        raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry advantages "
-                         f"already: remove one of them")  # fmt: skip
+        raise ValueError(
+            f"objective.advantage = {objective.advantage!r}, but the rollouts carry advantages "
+            f"already: remove one of them"
+        )
     rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
     return advantages_to_rollouts(rollouts, rows, rows.advantage)
 
 
-def mini_batches(rollouts: list[Rollout], count: int, seed: int, epoch: int, index: int,
-                 ppo_epoch: int) -> list[list[Rollout]]:  # fmt: skip
+def mini_batches(
+    rollouts: list[Rollout], count: int, seed: int, epoch: int, index: int, ppo_epoch: int
+) -> list[list[Rollout]]:
     """``count`` mini-batches of whole groups: the step's groups (file ``epoch``, step ``index``)
     permuted by a generator seeded from (``seed``, ``epoch``, ``index``, ``ppo_epoch``) alone, then
     cut into ``count`` runs of consecutive groups whose numbers differ by at most one."""
@@ -136,9 +155,11 @@ def _check_behaviour(rollouts: list[Rollout], correction: str) -> None:
     """Every rollout carries the engine's log-probs, which ``correction`` weighs the old ones against."""
     for i, r in enumerate(rollouts):
         if r.rollout_logprobs is None:
-            raise ValueError(f"objective.correction = {correction!r} needs the sampler's log-probs "
-                             f"(rollout_logprobs) on every line, and rollout {i} of the step has "
-                             f"none")  # fmt: skip
+            raise ValueError(
+                f"objective.correction = {correction!r} needs the sampler's log-probs "
+                f"(rollout_logprobs) on every line, and rollout {i} of the step has "
+                f"none"
+            )
 
 
 @dataclass
@@ -156,10 +177,18 @@ class StepUpdates:
     ``saved_old`` and ``saved_values`` when resuming between updates), then :meth:`updates` from
     PPO epoch ``start[0]``, mini-batch ``start[1]`` on."""
 
-    def __init__(self, config: TrainConfig, policy: nn.Module, reference: nn.Module | None, run: RunConfig,
-                 rollouts: list[Rollout], saved_old: list[torch.Tensor] | None = None,
-                 critic: Critic | None = None, saved_values: list[torch.Tensor] | None = None,
-                 ranks: Ranks | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: TrainConfig,
+        policy: nn.Module,
+        reference: nn.Module | None,
+        run: RunConfig,
+        rollouts: list[Rollout],
+        saved_old: list[torch.Tensor] | None = None,
+        critic: Critic | None = None,
+        saved_values: list[torch.Tensor] | None = None,
+        ranks: Ranks | None = None,
+    ):
         began = time.perf_counter()
         temperature = config.objective.temperature
         self.ppo: PPOSection | None = config.ppo
@@ -184,10 +213,14 @@ class StepUpdates:
                     rollouts = with_logprobs(policy, rollouts, "old_logprobs", run, temperature, ranks)
                 else:
                     if len(saved_old) != len(rollouts):
-                        raise ValueError(f"the checkpoint's old log-probs are for {len(saved_old)} rollouts, "
-                                         f"the step has {len(rollouts)}")  # fmt: skip
-                    rollouts = [dataclasses.replace(r, old_logprobs=lp)
-                                for r, lp in zip(rollouts, saved_old, strict=True)]  # fmt: skip
+                        raise ValueError(
+                            f"the checkpoint's old log-probs are for {len(saved_old)} rollouts, "
+                            f"the step has {len(rollouts)}"
+                        )
+                    rollouts = [
+                        dataclasses.replace(r, old_logprobs=lp)
+                        for r, lp in zip(rollouts, saved_old, strict=True)
+                    ]
                 self.old = [r.old_logprobs for r in rollouts]
         self.rollouts = rollouts
         self.seconds = time.perf_counter() - began  # the forward-only passes and the estimate
