@@ -55,6 +55,7 @@ from harts.runtime import (
     forward_values,
     image_forest,
     next_token_rows,
+    replayed_routing,
     score,
 )
 from harts.steps import forest_step, moe_stats, rollout_step, value_step
@@ -121,6 +122,7 @@ __all__ = [
     "MoEConfig",
     "MoEStats",
     "RouterRecorder",
+    "replayed_routing",
     "moe_stats",
 ]
 __version__ = "0.1.0"

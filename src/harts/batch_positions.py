@@ -16,12 +16,13 @@ is refused), and nested packing (several packed rows: pass them as one packed ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["BatchLayout", "padded_layout", "packed_layout", "batch_layout"]
+__all__ = ["BatchLayout", "padded_layout", "packed_layout", "batch_layout", "input_trajectories"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,3 +155,29 @@ def batch_layout(input_ids, attention_mask=None, cu_seqlens=None, position_ids=N
         f"padded batch (1 = token, 0 = padding), cu_seqlens=... or position_ids=... for a packed one, "
         f"or a list of 1-D sequences"
     )
+
+
+def input_trajectories(
+    trajectories, attention_mask, cu_seqlens, position_ids
+) -> tuple[Sequence, BatchLayout | None]:
+    """The trajectories as one sequence each, and the batch layout they came from (None for a list).
+
+    A padded or packed batch is split here, so that everything after sees plain trajectories; batch
+    position arguments given with a list are refused, since they describe a tensor of input_ids.
+    """
+    layout = None
+    is_array = isinstance(trajectories, (torch.Tensor, np.ndarray))
+    if is_array and (
+        trajectories.ndim == 2 or any(x is not None for x in (attention_mask, cu_seqlens, position_ids))
+    ):
+        layout = batch_layout(trajectories, attention_mask, cu_seqlens, position_ids)
+        trajectories = layout.split(trajectories, "input_ids")
+    elif any(x is not None for x in (attention_mask, cu_seqlens, position_ids)):
+        raise TypeError(
+            "attention_mask, cu_seqlens and position_ids describe a tensor of input_ids, not a list"
+        )
+    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
+        raise TypeError(f"expected a sequence of trajectories, got {type(trajectories).__name__}")
+    if len(trajectories) == 0:
+        raise ValueError("empty forest: at least one trajectory is needed")
+    return trajectories, layout

@@ -31,7 +31,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from harts.batch_positions import BatchLayout, batch_layout
+from harts.batch_positions import BatchLayout, input_trajectories
+from harts.forest_routes import RouteKeys
 
 __all__ = ["Forest", "build_forest", "as_token_array", "concat_ranges", "node_depth_and_subtree_end"]
 
@@ -124,6 +125,8 @@ class Forest:
     batch_layout: BatchLayout | None = None
     #: a multimodal forest's images and positions (harts.runtime.image_forest.ForestImages), or None
     images: object | None = None
+    #: [N, layers, top-k] int32: each unique token's recorded MoE routes (-1: not recorded), or None
+    routed_experts: torch.Tensor | None = None
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -309,32 +312,6 @@ def node_depth_and_subtree_end(parent: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.asarray(depth, dtype=np.int64), np.asarray(end, dtype=np.int64)
 
 
-def _input_trajectories(
-    trajectories, attention_mask, cu_seqlens, position_ids
-) -> tuple[Sequence, BatchLayout | None]:
-    """The trajectories as one sequence each, and the batch layout they came from (None for a list).
-
-    A padded or packed batch is split here, so that everything after sees plain trajectories; batch
-    position arguments given with a list are refused, since they describe a tensor of input_ids.
-    """
-    layout = None
-    is_array = isinstance(trajectories, (torch.Tensor, np.ndarray))
-    if is_array and (
-        trajectories.ndim == 2 or any(x is not None for x in (attention_mask, cu_seqlens, position_ids))
-    ):
-        layout = batch_layout(trajectories, attention_mask, cu_seqlens, position_ids)
-        trajectories = layout.split(trajectories, "input_ids")
-    elif any(x is not None for x in (attention_mask, cu_seqlens, position_ids)):
-        raise TypeError(
-            "attention_mask, cu_seqlens and position_ids describe a tensor of input_ids, not a list"
-        )
-    if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Sequence):
-        raise TypeError(f"expected a sequence of trajectories, got {type(trajectories).__name__}")
-    if len(trajectories) == 0:
-        raise ValueError("empty forest: at least one trajectory is needed")
-    return trajectories, layout
-
-
 def _sort_by_tokens(arrays: list[np.ndarray], share_prefixes: bool) -> tuple[list[np.ndarray], np.ndarray]:
     """The trajectories in lexicographic order of their tokens, and that permutation ``order``.
 
@@ -448,6 +425,7 @@ def build_forest(
     attention_mask=None,
     cu_seqlens=None,
     position_ids=None,
+    routed_experts: Sequence | None = None,
 ) -> Forest:
     """Merge token sequences by common prefix into a :class:`Forest`.
 
@@ -458,10 +436,15 @@ def build_forest(
     mask is refused: its padding cannot be told from tokens. Identical trajectories stay
     separate trajectories that end at the same node (multiplicity 2). A trajectory that is a
     prefix of another ends at an internal node. With ``share_prefixes=False`` every trajectory
-    is its own root node (the flat layout).
+    is its own root node (the flat layout). ``routed_experts``: each trajectory's recorded MoE
+    routes ``[L, layers, top-k]`` or None, for routing replay; trajectories then share a token
+    only where ids and routes agree (:mod:`harts.forest_routes`).
     """
-    trajectories, layout = _input_trajectories(trajectories, attention_mask, cu_seqlens, position_ids)
+    trajectories, layout = input_trajectories(trajectories, attention_mask, cu_seqlens, position_ids)
     arrays = [as_token_array(t, i) for i, t in enumerate(trajectories)]
+    routes = None if routed_experts is None else RouteKeys.of(arrays, routed_experts)
+    if routes is not None:
+        arrays = routes.keys
     num = len(arrays)
     lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=num)
     arrays, order = _sort_by_tokens(arrays, share_prefixes)
@@ -479,6 +462,7 @@ def build_forest(
 
     # Unique tokens: chain r contributes arrays[r][lcp[r]:], already in node order.
     tokens = np.concatenate([arrays[r][d:] for r, d in enumerate(lcp.tolist()) if arrays[r].size > d])
+    tokens, routed = (tokens, None) if routes is None else routes.split(tokens)
 
     depth, subtree_end = node_depth_and_subtree_end(node_parent)
     length_t = torch.from_numpy(nodes.length)
@@ -496,4 +480,5 @@ def build_forest(
         node_trajectory=torch.from_numpy(order[nodes.chain]),
         shares_prefixes=share_prefixes,
         batch_layout=layout,
+        routed_experts=routed,
     )

@@ -52,13 +52,15 @@ def _check_weight(rows: Sequence[Tensor], weight: Tensor) -> None:
 
 
 def routing_sums(
-    router_logits: Sequence[Tensor], weight: Tensor, top_k: int
+    router_logits: Sequence[Tensor], weight: Tensor, top_k: int, chosen: Sequence[Tensor] | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(routed [E] fp64, prob_sum [E], tokens)`` of recorded router logits, each token weighted.
 
     ``routed[e] = sum_l sum_t w_t [e in topk(softmax(z_lt))]`` (fp64, exact past 2^24 tokens),
     ``prob_sum[e] = sum_l sum_t w_t softmax(z_lt)_e`` (differentiable, the logits' dtype, at least
     fp32) and ``tokens = L * sum_t w_t`` (fp64). Sums over disjoint token sets add up.
+    ``chosen``: [N, k] per layer, the experts the router was made to choose (routing replay), which
+    ``routed`` then counts instead of the softmax's own top-k.
     """
     if not router_logits:
         raise ValueError("load_balancing_loss needs the router logits of at least one layer")
@@ -69,10 +71,10 @@ def routing_sums(
     w = weight.to(device=device, dtype=torch.float64)
     routed = torch.zeros(num_experts, dtype=torch.float64, device=device)
     prob_sum = torch.zeros(num_experts, dtype=dtype, device=device)
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         probs = torch.softmax(logits.to(dtype), dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices
-        routed = routed.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        picked = torch.topk(probs, top_k, dim=-1).indices if chosen is None else chosen[layer].to(device)
+        routed = routed.scatter_add(0, picked.reshape(-1), w.repeat_interleave(top_k))
         prob_sum = prob_sum + (probs * w.to(dtype)[:, None]).sum(0)
     return routed, prob_sum, w.sum() * len(router_logits)
 
@@ -83,7 +85,9 @@ def aux_loss_from_sums(routed: Tensor, prob_sum: Tensor, tokens: Tensor) -> Tens
     return (num_experts * ((routed / tokens) * (prob_sum / tokens)).sum()).to(prob_sum.dtype)
 
 
-def load_balancing_loss(router_logits: Sequence[Tensor], weight: Tensor, top_k: int) -> Tensor:
+def load_balancing_loss(
+    router_logits: Sequence[Tensor], weight: Tensor, top_k: int, chosen: Sequence[Tensor] | None = None
+) -> Tensor:
     """Switch Transformer load-balancing loss over all MoE layers, each token weighted by ``weight``.
 
     Fedus et al. 2022, "Switch Transformers", eqs. 4-6, in the form of transformers 5.23's
@@ -96,10 +100,11 @@ def load_balancing_loss(router_logits: Sequence[Tensor], weight: Tensor, top_k: 
         loss = E * sum_e f_e P_e
 
     ``router_logits``: [N, E] per layer. The top-k is recomputed from the softmax, as the stock
-    function does. Counts and totals are accumulated in fp64 so they stay exact past 2^24 flat
-    tokens; the result has the logits' dtype (at least fp32) and backpropagates through P only.
+    function does, unless ``chosen`` gives the replayed choice (:func:`routing_sums`). Counts and
+    totals are accumulated in fp64 so they stay exact past 2^24 flat tokens; the result has the
+    logits' dtype (at least fp32) and backpropagates through P only.
     """
-    return aux_loss_from_sums(*routing_sums(router_logits, weight, top_k))
+    return aux_loss_from_sums(*routing_sums(router_logits, weight, top_k, chosen))
 
 
 def expert_counts(indices: Sequence[Tensor], weight: Tensor, num_experts: int) -> Tensor:

@@ -34,6 +34,7 @@ import torch
 
 from harts.batch_positions import BatchLayout, batch_layout
 from harts.forest import as_token_array
+from harts.forest_routes import as_route_array
 
 __all__ = [
     "Rollout",
@@ -85,6 +86,10 @@ class Rollout:
       the model's processor gives them (the rows of its images in order, and their grids), for a
       multimodal model; checked against the model and its image tokens when the forest is built
       (:func:`harts.image_forest`).
+    - ``routed_experts`` [L, decoder layers, top-k] integers, or None: the experts the inference
+      engine routed each token to in each MoE layer (-1 where a layer has no routed experts or the
+      token was not recorded), for routing replay: the trainer's routers then choose these, and
+      trajectories share a token only where ids and routes agree (:mod:`harts.forest_routes`).
     """
 
     tokens: Any
@@ -100,6 +105,7 @@ class Rollout:
     pixel_values: Any = None
     image_grid_thw: Any = None
     old_logprobs: Any = None
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +126,7 @@ class CheckedRollout:
     returns: np.ndarray | None = None
     values: np.ndarray | None = None
     old_logprobs: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None  # int32 [L, layers, top-k]
 
 
 def _to_numpy(values, name: str, index: int) -> np.ndarray:
@@ -240,8 +247,15 @@ def _check_one(rollout, index: int, vocab_size: int | None) -> CheckedRollout:
                 f"(length {length})"
             )
         err = int(err)
+    routes = getattr(rollout, "routed_experts", None)
     return CheckedRollout(
-        tokens, mask, reward=reward, group_id=rollout.group_id, first_error_position=err, **floats
+        tokens,
+        mask,
+        reward=reward,
+        group_id=rollout.group_id,
+        first_error_position=err,
+        routed_experts=None if routes is None else as_route_array(routes, index, length),
+        **floats,
     )
 
 
@@ -251,8 +265,9 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
     Raises TypeError (wrong kinds) or ValueError (wrong values) naming the trajectory index and,
     where there is one, the position: annotation lengths that differ from the tokens, NaN/inf in
     log-probs, advantages or reward, a loss mask on position 0, log-probs above 0, token ids
-    outside ``[0, vocab_size)``, a first error position outside the trajectory, and per-position
-    annotations given for some trajectories of the batch but not for others.
+    outside ``[0, vocab_size)``, a first error position outside the trajectory, routed experts of
+    the wrong shape, and per-position annotations given for some trajectories of the batch but not
+    for others (routed experts excepted: a trajectory without them is routed by the router).
     """
     if isinstance(rollouts, Rollout) or not isinstance(rollouts, Sequence):
         raise TypeError(f"expected a sequence of Rollout, got {type(rollouts).__name__}")

@@ -80,6 +80,7 @@ def split_long_nodes(forest: Forest, max_length: int) -> Forest:
         node_trajectory=forest.node_trajectory[t(old_of_new)],
         shares_prefixes=forest.shares_prefixes,
         images=forest.images,
+        routed_experts=forest.routed_experts,
     )
 
 

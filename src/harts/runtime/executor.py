@@ -13,6 +13,7 @@ conv inputs and states handed over by earlier micro-batches and returns what it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -30,6 +31,7 @@ from harts.runtime.config import RunConfig
 from harts.runtime.handoff import LayerHandoff, MixerContext
 from harts.runtime.image_inputs import check_forest_images, embed_images, rope_positions
 from harts.runtime.model_checks import check_model, hooked, resolve_model
+from harts.runtime.routing_replay import PartRoutes, check_routes
 from harts.runtime.sharded import PartSegments, ShardedStep
 
 __all__ = [
@@ -198,6 +200,7 @@ def check_inputs(model: nn.Module, forest: Forest) -> None:
         raise TypeError(f"expected a harts Forest (see harts.build_forest), got {type(forest).__name__}")
     forest.check_vocabulary(model.config.vocab_size)
     check_forest_images(model, forest)
+    check_routes(model, forest)
 
 
 def run_layout(
@@ -226,6 +229,12 @@ def run_layout(
     position_embeddings = rotary(hidden, rope_positions(layout)) if rotary is not None else None
     rotary_at = (lambda positions: rotary(hidden, positions)) if rotary is not None else None  # noqa: E731
     ctx = MixerContext(layout, position_embeddings, external, recompute_linear, rotary_at)
+    routes = layout.global_forest.routed_experts
+    replay = (
+        None
+        if routes is None
+        else PartRoutes(model, layout.global_forest, layout.global_tokens, hidden.device)
+    )
 
     def mlp(layer, x):
         out = layer.mlp(x)
@@ -234,7 +243,10 @@ def run_layout(
     def block(hidden, index, layer, module, mixer):
         ctx.begin_layer(index)  # idempotent: a checkpoint's replay in backward records nothing twice
         # the family's norm placement (pre-norm, post-norm, sandwich) around the tree mixer
-        return adapter.decoder_block(layer, hidden, lambda x: mixer(module, x, ctx), lambda x: mlp(layer, x))
+        with contextlib.nullcontext() if replay is None else replay.around(index):  # recorded MoE routes
+            return adapter.decoder_block(
+                layer, hidden, lambda x: mixer(module, x, ctx), lambda x: mlp(layer, x)
+            )
 
     for index, (layer, (module, mixer)) in enumerate(zip(layers, mixers, strict=True)):
         if checkpointed(model, layer):

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from harts.forest import Forest, build_forest
+from harts.forest_routes import routes_of
 from harts.ops.logprobs import check_temperature
 from harts.plan.schedule import LossForm
 from harts.runtime.backward import FSDP_VERIFY, run_schedule
@@ -220,7 +221,9 @@ def forest_and_masks(inputs, share_prefixes: bool, model: nn.Module | None = Non
             if model is None:
                 raise ValueError("rollouts with images are run by forest_logprobs and the training step only")
             return image_forest(forward_only_model(model), inputs, share_prefixes), masks
-        return build_forest([r.tokens for r in inputs], share_prefixes), masks
+        return build_forest(
+            [r.tokens for r in inputs], share_prefixes, routed_experts=routes_of(inputs)
+        ), masks
     return build_forest(inputs, share_prefixes), None
 
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from harts.adapters.vision_language import TextView, VisionLanguage
 from harts.forest import Forest, as_token_array, build_forest
+from harts.forest_routes import routes_of
 
 __all__ = [
     "ForestImages",
@@ -337,7 +338,7 @@ def image_forest(model: nn.Module, rollouts: Sequence, share_prefixes: bool = Tr
         _keys(t, n, base, stride, spec.image_token_id)
         for t, n in zip(trajectories, distinct.of_trajectory, strict=True)
     ]
-    forest = build_forest(keys, share_prefixes=share_prefixes)
+    forest = build_forest(keys, share_prefixes=share_prefixes, routed_experts=routes_of(rollouts))
     is_image = forest.tokens >= base
     offset = (forest.tokens - base).clamp(min=0)
     feature_start = torch.from_numpy(np.cumsum(tokens_per_image) - tokens_per_image)

@@ -31,6 +31,7 @@ from torch import nn
 
 from harts.adapters.base import MoEBalancing
 from harts.forest import Forest, build_forest
+from harts.forest_routes import routes_of
 from harts.objectives.corrections import log_rho_of
 from harts.objectives.losses import (
     Normalizers,
@@ -256,7 +257,9 @@ def step_inputs(
     if has_images(rollouts):  # prefixes shared where ids and images agree, M-RoPE positions
         forest = image_forest(base, rollouts, share_prefixes)
     else:
-        forest = build_forest([c.tokens for c in checked], share_prefixes=share_prefixes)
+        forest = build_forest(
+            [c.tokens for c in checked], share_prefixes=share_prefixes, routed_experts=routes_of(rollouts)
+        )
     return forest, build_loss_rows(forest, rollouts)
 
 

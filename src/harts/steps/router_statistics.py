@@ -47,12 +47,14 @@ def moe_stats(recorder: RouterRecorder, weight: Forest | Tensor) -> MoEStats:
     is used) or a [N] integer weight per recorded token (a padded batch's flattened attention mask).
 
     The aux loss stays in the autograd graph of the recorded router logits."""
+    chosen = None
     if isinstance(weight, Forest):
+        chosen = None if weight.routed_experts is None else recorder.indices  # replayed routes
         weight = weight.token_multiplicity
     counts = expert_counts(recorder.indices, weight, recorder.num_experts)
     aux = None
     if recorder.balancing is MoEBalancing.AUX_LOSS:
-        aux = load_balancing_loss(recorder.logits, weight, recorder.top_k)
+        aux = load_balancing_loss(recorder.logits, weight, recorder.top_k, chosen)
     return MoEStats(recorder.layers, counts, weight.to(torch.long).sum(), aux)
 
 
@@ -111,7 +113,10 @@ class MoEObserver(PartObserver):
         sums = None
         logits = self.recorder.logits if self.has_aux else []
         if self.has_aux and (first or needs_term):  # one pass over the logits serves both uses
-            sums = routing_sums(logits, weight, self.recorder.top_k)
+            replayed = layout.global_forest.routed_experts is not None  # count the replayed routes
+            sums = routing_sums(
+                logits, weight, self.recorder.top_k, self.recorder.indices if replayed else None
+            )
         if first:
             counts = expert_counts(self.recorder.indices, weight, self.recorder.num_experts)
             self.counts = counts if self.counts is None else self.counts + counts

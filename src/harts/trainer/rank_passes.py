@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harts.forest import build_forest
+from harts.forest_routes import routes_of
 from harts.objectives.rollout import Rollout
 from harts.plan.ranks import assign_trees
 from harts.runtime.config import RunConfig
@@ -43,7 +44,7 @@ def rank_share(rollouts: Sequence[Rollout], ranks: Ranks) -> list[int]:
     fewer rollouts than ranks, rollout ``i`` on rank ``i`` (the others get none)."""
     if len(rollouts) < ranks.world_size:
         return [ranks.rank] if ranks.rank < len(rollouts) else []
-    forest = build_forest([r.tokens for r in rollouts])
+    forest = build_forest([r.tokens for r in rollouts], routed_experts=routes_of(rollouts))
     assignment = assign_trees(forest, ranks.world_size, ranks.cost if ranks.balance == "cost" else None)
     return list(assignment.trajectories[ranks.rank])
 
