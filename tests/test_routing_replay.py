@@ -287,3 +287,25 @@ def test_the_balancing_loss_counts_the_replayed_experts(family):
         )
         model.zero_grad(set_to_none=True)
         assert abs(float(result.moe.aux_loss) - float(expected)) <= 1e-5 * float(expected)
+
+
+@pytest.mark.parametrize("family", REPLAY_FAMILIES[:1] + REPLAY_FAMILIES[2:])
+def test_verification_replays_the_samples_routes(family):
+    """``RunConfig(verify=True)`` compares harts and stock on a sample with its recorded routes
+    replayed in both (stock choosing its own experts would be ~1 off in log-prob, a failure)."""
+    model = _model(family)
+    trajectories = _trajectories(model.config.get_text_config().vocab_size)
+    routes = _routes(model, trajectories)
+    rollouts = [
+        Rollout(t, routed_experts=r, advantages=1.0, rollout_logprobs=[-1.0] * len(t))
+        for t, r in zip(trajectories, routes, strict=True)
+    ]
+    config = harts.PolicyLossConfig()
+    model.zero_grad(set_to_none=True)
+    verified = harts.rollout_step(model, rollouts, config, budget_tokens=8, run=harts.RunConfig(verify=True))
+    grads = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    plain = harts.rollout_step(model, rollouts, config, budget_tokens=8)
+    assert torch.equal(verified.loss, plain.loss)
+    assert all(torch.equal(grads[name], value) for name, value in param_grads(model).items())
+    model.zero_grad(set_to_none=True)

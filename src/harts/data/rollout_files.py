@@ -4,7 +4,8 @@ Two forms (docs/rollout_files.md has every field and an example of each):
 
 - **token form**: the fields of :class:`harts.Rollout`: ``tokens`` (required), ``loss_mask``,
   ``rollout_logprobs``, ``ref_logprobs``, ``advantages`` (a list, or one number for every
-  position), ``reward``, ``group_id``, ``first_error_position``, and for a multimodal model
+  position), ``reward``, ``group_id``, ``first_error_position``, ``routed_experts`` (the engine's
+  MoE routes, ``[tokens][decoder layers][top-k]``, for routing replay), and for a multimodal model
   ``images`` (keys of pixel rows in a safetensors file, with their grids; optional ``image_file``:
   :mod:`harts.data.rollout_images`), read as ``pixel_values`` and ``image_grid_thw``.
 - **chat form**: ``messages`` (a conversation, :mod:`harts.data.chat`), optional ``tools`` (the
@@ -61,7 +62,7 @@ __all__ = [
 
 ROLLOUT_FIELDS = (
     "tokens", "loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "reward", "group_id",
-    "first_error_position",
+    "first_error_position", "routed_experts",
 )  # fmt: skip
 # the chat form's fields; the token form's per-position ones and first_error_position have no place there
 CHAT_FIELDS = ("messages", "tools", "advantages", "reward", "group_id")
@@ -85,6 +86,7 @@ _FITS = {
     "reward": _number,
     "group_id": lambda v: True,
     "first_error_position": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "routed_experts": lambda v: isinstance(v, (list, tuple, str)),
     "messages": lambda v: isinstance(v, (list, tuple, str)),
     "tools": lambda v: isinstance(v, (list, tuple, str)),
     "trajectory_id": lambda v: isinstance(v, (str, int)),
@@ -238,6 +240,7 @@ def _rollout(where: str, record: dict, vocab_size: int | None = None, images: Im
         reward=reward,
         group_id=group,
         first_error_position=record.get("first_error_position"),
+        routed_experts=record.get("routed_experts"),
         pixel_values=None if pixels is None else pixels[0],
         image_grid_thw=None if pixels is None else pixels[1],
     )
@@ -337,7 +340,10 @@ class _Turns:
 
 
 def iter_rollouts(
-    path: str | Path, tokenizer: Any = None, vocab_size: int | None = None, split_drift: bool = True,
+    path: str | Path,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+    split_drift: bool = True,
     warn: bool = True,
 ) -> Iterator[FileRollout]:
     """Each rollout of a ``.jsonl`` or ``.parquet`` file, checked as it is read.
@@ -423,8 +429,12 @@ def iter_rollout_steps(
 
 
 def iter_file_steps(
-    path: str | Path, rollouts_per_step: int, tokenizer: Any = None, vocab_size: int | None = None,
-    split_drift: bool = True, warn: bool = True,
+    path: str | Path,
+    rollouts_per_step: int,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+    split_drift: bool = True,
+    warn: bool = True,
 ) -> Iterator[list[FileRollout]]:
     """:func:`iter_rollout_steps` with each rollout's :class:`FileRollout` (where it is, its metadata);
     ``vocab_size``, ``split_drift`` and ``warn`` as in :func:`iter_rollouts`."""

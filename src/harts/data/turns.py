@@ -21,6 +21,7 @@ JSON) and :func:`turns_from_chat` (a conversation of the chat form, with a token
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ TURNS_FIELDS = (
     "completion_logprobs",
     "group_id",
     "reward",
+    "routed_experts",
 )
 #: fields whose presence makes a record one of the turns form
 TURNS_MARKERS = ("trajectory_id", "prompt_token_ids", "completion_token_ids")
@@ -99,8 +101,9 @@ def _ids(at: str, name: str, value: Any, vocab_size: int | None, *, empty: bool)
 
 def check_turn(
     where: str, record: dict, vocab_size: int | None = None
-) -> tuple[Any, int, list, list, list | None]:
-    """One record's fields checked: (trajectory_id, turn, prompt ids, completion ids, log-probs or None)."""
+) -> tuple[Any, int, list, list, list | None, np.ndarray | None]:
+    """One record's fields checked: (trajectory_id, turn, prompt ids, completion ids, log-probs or
+    None, recorded routes [prompt + completion, layers, k] or None)."""
     trajectory = record.get("trajectory_id")
     if trajectory is None:
         raise ValueError(
@@ -148,7 +151,28 @@ def check_turn(
         isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward)
     ):
         raise ValueError(f"{at}, field 'reward': expected a finite number, got {reward!r}")
-    return trajectory, turn, prompt, completion, logprobs
+    routes = _turn_routes(at, record.get("routed_experts"), len(prompt) + len(completion))
+    return trajectory, turn, prompt, completion, logprobs, routes
+
+
+def _turn_routes(at: str, value: Any, length: int) -> np.ndarray | None:
+    """A turn's recorded MoE routes as int32 [prompt + completion, layers, k]: the engine ran every
+    token of its request but the last sampled one, whose row may be left out (then -1)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{at}, field 'routed_experts': expected a list, got {type(value).__name__}")
+    routes = np.asarray(value)
+    if routes.ndim != 3 or routes.dtype.kind not in "iu" or routes.shape[0] not in (length, length - 1):
+        raise ValueError(
+            f"{at}, field 'routed_experts': expected [tokens, decoder layers, top-k] integers for the "
+            f"{length} prompt and completion tokens (or all but the last), got shape {routes.shape}"
+        )
+    if routes.size and int(routes.min()) < -1:
+        position = int(np.argwhere(routes < -1)[0, 0])
+        raise ValueError(f"{at}, field 'routed_experts', position {position}: expert id {int(routes.min())}")
+    missing = np.full((length - routes.shape[0], *routes.shape[1:]), -1, dtype=np.int32)
+    return np.concatenate([routes.astype(np.int32), missing])
 
 
 def _check_turn_numbers(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) -> None:
@@ -184,15 +208,36 @@ def _trajectory_reward(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) 
 
 def _has_logprobs(trajectory: Any, ordered: list[tuple[str, dict, tuple]]) -> bool:
     """Whether the turns carry log-probs: on every turn or on none, so a piece's are whole."""
-    with_logprobs = [t[2][4] is not None for t in ordered]
-    if any(with_logprobs) and not all(with_logprobs):
-        i = with_logprobs.index(not with_logprobs[0])
-        state = "given" if with_logprobs[i] else "missing"
+    return _on_every_turn_or_none(trajectory, ordered, 4, "completion_logprobs")
+
+
+def _on_every_turn_or_none(
+    trajectory: Any, ordered: list[tuple[str, dict, tuple]], slot: int, name: str
+) -> bool:
+    """Whether the turns carry field ``name`` (checked value ``slot``): on every turn or on none, so a
+    piece's are whole."""
+    given = [t[2][slot] is not None for t in ordered]
+    if any(given) and not all(given):
+        i = given.index(not given[0])
+        state = "given" if given[i] else "missing"
         raise ValueError(
-            f"{_at(ordered[i][0], trajectory)}, field 'completion_logprobs': {state} on turn {i} "
+            f"{_at(ordered[i][0], trajectory)}, field {name!r}: {state} on turn {i} "
             f"but not so on turn 0 ({ordered[0][0]}): give them on every turn or on none"
         )
-    return with_logprobs[0]
+    return given[0]
+
+
+def _extend_routes(routes: np.ndarray | None, turn: np.ndarray | None) -> np.ndarray | None:
+    """A piece's routes after a turn that extends it: each token keeps the row of the first turn that
+    ran it (what the engine computed when it sampled what follows), the new tokens take the turn's."""
+    if turn is None:
+        return None
+    if routes is None:
+        return turn.copy()
+    merged = turn.copy()
+    n = routes.shape[0]
+    merged[:n] = np.where(routes >= 0, routes, turn[:n])
+    return merged
 
 
 def _stitch_pieces(
@@ -204,19 +249,26 @@ def _stitch_pieces(
     A turn whose prompt starts with the piece so far extends it (the new prompt tokens unmasked, the
     completion masked); one that does not starts a new piece, or is refused with ``split_drift=False``.
     """
-    pieces: list[tuple[list, list, list, str, dict]] = []
+    pieces: list[tuple[list, list, list, str, dict, np.ndarray | None]] = []
     drift = None
-    for i, (where, record, (_, _, prompt, completion, logprobs)) in enumerate(ordered):
+    for i, (where, record, (_, _, prompt, completion, logprobs, routes)) in enumerate(ordered):
         extra = {k: v for k, v in record.items() if k not in TURNS_FIELDS}
         if pieces:
-            tokens, mask, lps, _, meta = pieces[-1]
+            tokens, mask, lps, _, meta, piece_routes = pieces[-1]
             n = len(tokens)
             if len(prompt) >= n and prompt[:n] == tokens:
                 tail = prompt[n:]
                 tokens += tail + completion
                 mask += [0] * len(tail) + [1] * len(completion)
                 lps += [0.0] * len(tail) + (logprobs or [0.0] * len(completion))
-                pieces[-1] = (tokens, mask, lps, where, {**meta, **extra})
+                pieces[-1] = (
+                    tokens,
+                    mask,
+                    lps,
+                    where,
+                    {**meta, **extra},
+                    _extend_routes(piece_routes, routes),
+                )
                 continue
             at = f"{_at(where, trajectory)}, turn {i}"
             if not split_drift:
@@ -234,6 +286,7 @@ def _stitch_pieces(
                 [0.0] * len(prompt) + (logprobs or [0.0] * len(completion)),
                 where,
                 extra,
+                _extend_routes(None, routes),
             )
         )
     return pieces, drift
@@ -252,15 +305,17 @@ def stitch_trajectory(
     _check_turn_numbers(trajectory, ordered)
     reward = _trajectory_reward(trajectory, ordered)
     has_lp = _has_logprobs(trajectory, ordered)
+    _on_every_turn_or_none(trajectory, ordered, 5, "routed_experts")
     pieces, drift = _stitch_pieces(trajectory, ordered, split_drift)
     out = []
-    for k, (tokens, mask, lps, where, meta) in enumerate(pieces):
+    for k, (tokens, mask, lps, where, meta, routes) in enumerate(pieces):
         rollout = Rollout(
             tokens=tokens,
             loss_mask=mask,
             rollout_logprobs=lps if has_lp else None,
             reward=reward,
             group_id=group,
+            routed_experts=routes,
         )
         out.append(TurnPiece(rollout, _at(where, trajectory), meta, k, len(pieces), drift))
     return out
@@ -269,7 +324,7 @@ def stitch_trajectory(
 # ---- converters: one engine response -> one record of the turns form ----------------------------
 
 
-def _record(trajectory_id, turn, prompt, completion, logprobs, group_id, reward, extra) -> dict:
+def _record(trajectory_id, turn, prompt, completion, logprobs, group_id, reward, extra, routes=None) -> dict:
     record = {
         "trajectory_id": trajectory_id,
         "turn": turn,
@@ -282,7 +337,31 @@ def _record(trajectory_id, turn, prompt, completion, logprobs, group_id, reward,
         record["group_id"] = group_id
     if reward is not None:
         record["reward"] = reward
+    if routes is not None:
+        record["routed_experts"] = routes
     return {**record, **(extra or {})}
+
+
+def _engine_routes(value: Any, layers_top_k: tuple[int, int] | None, source: str) -> list | None:
+    """An engine's recorded routes as nested lists [tokens][layers][k]: a nested list as it is, or
+    base64 of int32 values (SGLang's encoding), which ``layers_top_k`` (the model's decoder layers
+    and top-k) shapes."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return [[list(map(int, row)) for row in token] for token in value]
+    if layers_top_k is None:
+        raise ValueError(
+            f"{source} is base64 of int32 expert ids: pass layers_top_k=(decoder layers, top-k) of the "
+            f"model to shape it"
+        )
+    flat = np.frombuffer(base64.b64decode(value), dtype="<i4")
+    width = layers_top_k[0] * layers_top_k[1]
+    if flat.size % width:
+        raise ValueError(
+            f"{source} holds {flat.size} expert ids, not a whole number of tokens of {layers_top_k}"
+        )
+    return flat.reshape(-1, *layers_top_k).tolist()
 
 
 def _token_id(token: str) -> int:
@@ -304,6 +383,7 @@ def turn_from_vllm(
     reward: float | None = None,
     choice: int = 0,
     extra: dict | None = None,
+    layers_top_k: tuple[int, int] | None = None,
 ) -> dict:
     """One turns-form record from the JSON of a vLLM ``/v1/completions`` response.
 
@@ -311,6 +391,8 @@ def turn_from_vllm(
     and for token ids: ``return_token_ids`` (the choice then carries ``prompt_token_ids`` and
     ``token_ids``) or ``return_tokens_as_token_ids`` (``logprobs.tokens`` reads ``"token_id:<id>"``).
     ``prompt_token_ids``: the ids the request sent as its prompt, when the choice does not carry them.
+    The choice's ``routed_experts`` (the MoE routes of the request's tokens, nested lists or base64
+    int32 shaped by ``layers_top_k``), when the engine returns them, become the record's.
     """
     item = response["choices"][choice]
     prompt = item.get("prompt_token_ids") or prompt_token_ids
@@ -329,7 +411,8 @@ def turn_from_vllm(
             )
         completion = [_token_id(t) for t in logprobs["tokens"]]
     values = None if not logprobs else logprobs.get("token_logprobs")
-    return _record(trajectory_id, turn, prompt, completion, values, group_id, reward, extra)
+    routes = _engine_routes(item.get("routed_experts"), layers_top_k, "the choice's routed_experts")
+    return _record(trajectory_id, turn, prompt, completion, values, group_id, reward, extra, routes)
 
 
 def turn_from_sglang(
@@ -341,6 +424,7 @@ def turn_from_sglang(
     group_id: Any = None,
     reward: float | None = None,
     extra: dict | None = None,
+    layers_top_k: tuple[int, int] | None = None,
 ) -> dict:
     """One turns-form record from the JSON of an SGLang ``/generate`` response.
 
@@ -348,7 +432,10 @@ def turn_from_sglang(
     ``meta_info.output_token_logprobs`` then holds ``[logprob, token_id, text]`` per completion
     token. ``prompt_token_ids``: the ``input_ids`` the request sent; without them, the prompt is read
     from ``meta_info.input_token_logprobs`` (requested with ``logprob_start_len = 0``), which must
-    cover all ``meta_info.prompt_tokens``.
+    cover all ``meta_info.prompt_tokens``. With ``return_routed_experts = true``,
+    ``meta_info.routed_experts`` (base64 of int32 ids, [tokens, decoder layers, top-k] for every
+    token the request ran: all but the last sampled one) becomes the record's ``routed_experts``;
+    ``layers_top_k``: the model's decoder layers and top-k, which shape it.
     """
     meta = response["meta_info"]
     out = meta.get("output_token_logprobs")
@@ -369,9 +456,9 @@ def turn_from_sglang(
                 "logprob_start_len = 0)"
             )
         prompt = [entry[1] for entry in given]
-    return _record(
-        trajectory_id, turn, prompt, completion, [entry[0] for entry in out], group_id, reward, extra
-    )
+    routes = _engine_routes(meta.get("routed_experts"), layers_top_k, "meta_info.routed_experts")
+    logprobs = [entry[0] for entry in out]
+    return _record(trajectory_id, turn, prompt, completion, logprobs, group_id, reward, extra, routes)
 
 
 def turns_from_chat(

@@ -56,6 +56,7 @@ from torch import nn
 from harts.forest import Forest, build_forest
 from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
+from harts.runtime.routing_replay import replayed_routing
 
 __all__ = [
     "VerificationError",
@@ -210,18 +211,22 @@ def _stock(
     values: bool,
     temperature: float,
     autocast: bool,
+    routes: list[Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor] | None]:
     """Stock row values of the sample (fp64, concatenated) and, with ``loss``, the gradients of
-    its loss summed over the trajectories (fp64 by name)."""
+    its loss summed over the trajectories (fp64 by name); ``routes``: each trajectory's recorded
+    MoE routes, replayed in its forward."""
     device = next(model.parameters()).device
     named = _trainable(model)
     out, offset, grads = [], 0, None
     grad_mode = torch.enable_grad() if loss is not None else torch.no_grad()
     cast = contextlib.nullcontext() if autocast else torch.autocast(device.type, enabled=False)
     with _set_aside([p for _, p in named]), grad_mode, cast:
-        for ids in trajectories:
+        for i, ids in enumerate(trajectories):
             ids = ids.to(device)
-            first, second = _stock_rows(model, ids, values, temperature, autocast)
+            replay = contextlib.nullcontext() if routes is None else replayed_routing(model, routes[i])
+            with replay:
+                first, second = _stock_rows(model, ids, values, temperature, autocast)
             rows = first.numel()
             if loss is not None:
                 _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
@@ -297,7 +302,10 @@ def verify_sample(
     sample = sample_spans(forest)
     chosen = [i for i, _ in sample]
     trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
-    sub = build_forest([t.tolist() for t in trajectories])
+    routes = None
+    if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
+        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
+    sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
     predictor, target, _ = _rows(sub)
     label, truth_dtype, autocast = _precision(model)
     loss = None
@@ -316,14 +324,14 @@ def verify_sample(
     with _set_aside(params):
         harts_values = harts_rows(sub, predictor, target, loss, sample_run).detach().double().cpu()
         harts_grads = _grads(named) if gradients else None
-    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast)
+    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast, routes)
     truth = (
         model
         if (truth_dtype == torch.float32 and autocast) or label == "fp64"
         else _truth_model(model, truth_dtype)
     )
     with _set_aside(params):  # whatever the copy's forward reaches, the model's gradients stay as they were
-        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False)
+        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False, routes)
     del truth
     where = _Where(chosen, [t.numel() for t in trajectories])
     kind = "value" if values else "log-prob"

@@ -34,6 +34,7 @@ from harts.objectives.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from harts.objectives.rollout import Rollout
 from harts.tiny import tiny_config, tiny_model, tiny_vision_language_model
 from harts.trainer.config import TRAIN_ESTIMATORS, DataConfig, ModelConfig, ObjectiveConfig, PPOSection
+from harts.trainer.routes_check import RoutesSeen
 
 __all__ = [
     "Position",
@@ -209,6 +210,7 @@ class DataCheck:
     # turns form: trajectories split where their context drifted, and where the first one was split
     split: tuple[int, str] | None = None
     images: tuple[int, str] | None = None  # rollouts with images, and where the first one is
+    routes: RoutesSeen | None = None  # the recorded MoE routes, when any line has them
 
     def extra_fields_line(self, path: Path) -> str | None:
         """One line naming the fields harts does not read and the trajectories split where their
@@ -330,6 +332,7 @@ def check_data(
     top = (-1, "")
     split, first_split = 0, ""
     images, first_image = 0, ""
+    routes = None
     batches = iter_file_steps(
         data.path, data.rollouts_per_step, tokenizer, vocab_size, data.split_drift, warn=False
     )
@@ -357,6 +360,8 @@ def check_data(
             for name in item.metadata:
                 count, where = extra.get(name, (0, item.where))
                 extra[name] = (count + 1, where)
+            if item.rollout.routed_experts is not None:
+                routes = RoutesSeen.add(routes, item.where, np.asarray(item.rollout.routed_experts))
             tokens = np.asarray(item.rollout.tokens)
             if tokens.size and int(tokens.max()) > top[0]:
                 top = (int(tokens.max()), f"{item.where}, position {int(tokens.argmax())}")
@@ -370,6 +375,7 @@ def check_data(
         top,
         (split, first_split) if split else None,
         (images, first_image) if images else None,
+        routes,
     )
 
 

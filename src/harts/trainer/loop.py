@@ -76,6 +76,7 @@ from harts.trainer.processes import (
 from harts.trainer.progress import MetricsLog
 from harts.trainer.resume_notes import resume_differences, run_versions
 from harts.trainer.rollout_stats import rollout_stats
+from harts.trainer.routes_check import check_routes_fit
 from harts.trainer.run import Run, TrainingDiverged, update_metrics
 from harts.trainer.samples import SAMPLES, Samples
 from harts.trainer.throughput import Throughput
@@ -173,6 +174,7 @@ class _Train(Run):
         images = self.data_check.images is not None  # then the multimodal model, its vision tower trained
         self.model = load_model(config.model, config.seed, from_checkpoint, images=images)
         check_embedding(self.model, self.data_check)
+        check_routes_fit(self.model, self.data_check.routes)
         self.base_sha256 = None
         if config.lora is not None:
             recorded = (state or {}).get("lora", {}).get("base_sha256") if state is not None else None
