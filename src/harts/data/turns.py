@@ -316,6 +316,7 @@ def stitch_trajectory(
             reward=reward,
             group_id=group,
             routed_experts=routes,
+            trajectory_id=trajectory if len(pieces) > 1 else None,
         )
         out.append(TurnPiece(rollout, _at(where, trajectory), meta, k, len(pieces), drift))
     return out

@@ -269,8 +269,18 @@ class EstimatorEntry:
 
 
 def _per_trajectory(fn):
+    """A group estimator over trajectories: the pieces of one (``rows.source``) count once, each
+    taking the trajectory's advantage."""
+
     def run(rows: LossRows, forest: Forest | None = None, **params) -> Tensor:
-        return fn(_rewards(rows, fn.__name__), rows.group, **params)[rows.trajectory]
+        reward = _rewards(rows, fn.__name__)
+        if rows.source is None:
+            return fn(reward, rows.group, **params)[rows.trajectory]
+        source = rows.source.to(reward.device)
+        first = torch.full((int(source.max()) + 1,), len(source), dtype=torch.long, device=reward.device)
+        first = first.scatter_reduce(0, source, torch.arange(len(source), device=reward.device), "amin")
+        per_source = fn(reward[first], rows.group.to(reward.device)[first], **params)
+        return per_source[source][rows.trajectory]
 
     return run
 

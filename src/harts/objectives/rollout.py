@@ -43,6 +43,7 @@ __all__ = [
     "LOGPROB_SLACK",
     "BatchRollouts",
     "rollouts_from_batch",
+    "trajectory_sources",
 ]
 
 # Samplers compute log_softmax in low precision; a log-prob this far above 0 is rounding, not a bug.
@@ -90,6 +91,10 @@ class Rollout:
       engine routed each token to in each MoE layer (-1 where a layer has no routed experts or the
       token was not recorded), for routing replay: the trainer's routers then choose these, and
       trajectories share a token only where ids and routes agree (:mod:`harts.forest_routes`).
+    - ``trajectory_id``: the trajectory this rollout is a piece of, or None (a whole trajectory of
+      its own). The pieces of a trajectory split where its context drifted (the turns form) share
+      it, and its reward and group: group advantage estimators and the per-trajectory figures count
+      the trajectory once, every piece taking its advantage.
     """
 
     tokens: Any
@@ -106,6 +111,7 @@ class Rollout:
     image_grid_thw: Any = None
     old_logprobs: Any = None
     routed_experts: Any = None
+    trajectory_id: Hashable | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,6 +284,7 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
     ):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     checked = [_check_one(r, i, vocab_size) for i, r in enumerate(rollouts)]
+    _check_pieces(rollouts)
     for name in _PER_POSITION[1:]:
         present = [getattr(r, name) is not None for r in rollouts]
         if any(present) and not all(present):
@@ -287,6 +294,39 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
                 f"a batch the same annotations"
             )
     return checked
+
+
+def _check_pieces(rollouts: Sequence[Rollout]) -> None:
+    """The pieces of one trajectory (one ``trajectory_id``) carry its reward and group, the same on
+    every piece: they count as that one trajectory."""
+    first: dict = {}
+    for i, r in enumerate(rollouts):
+        key = getattr(r, "trajectory_id", None)
+        if key is None:
+            continue
+        if not isinstance(key, Hashable):
+            raise TypeError(f"trajectory {i}: trajectory_id must be hashable, got {type(key).__name__}")
+        j = first.setdefault(key, i)
+        other = rollouts[j]
+        for name in ("reward", "group_id"):
+            if getattr(r, name) != getattr(other, name):
+                raise ValueError(
+                    f"trajectory {i}: a piece of trajectory {key!r} with {name} {getattr(r, name)!r}, but "
+                    f"trajectory {j}, another piece of it, has {getattr(other, name)!r}"
+                )
+
+
+def trajectory_sources(rollouts: Sequence) -> list[int]:
+    """[B] the index of the trajectory each rollout is a piece of, dense in order of first appearance
+    (a rollout without ``trajectory_id`` is a trajectory of its own)."""
+    ids: dict = {}
+    out = []
+    for r in rollouts:
+        key = getattr(r, "trajectory_id", None)
+        out.append(len(ids) if key is None else ids.setdefault(("id", key), len(ids)))
+        if key is None:
+            ids[("own", len(out))] = out[-1]
+    return out
 
 
 class BatchRollouts(list):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
-from harts.objectives.rollout import Rollout, validate_rollouts
+from harts.objectives.rollout import Rollout, trajectory_sources, validate_rollouts
 
 __all__ = ["LossRows", "build_loss_rows", "unique_predictors", "check_row_tensor"]
 
@@ -61,6 +61,8 @@ class LossRows:
       unless the rows hold both; computed once from the whole batch (:meth:`with_old_logprob`,
       :func:`build_loss_rows`) and kept whole by :meth:`select`, so a sequence-level correction
       of any subset of rows reads the whole trajectory's ratio.
+    - ``source``: the trajectory each rollout is a piece of (``Rollout.trajectory_id``, dense), or
+      None when every rollout is a whole trajectory; group estimators count a trajectory once.
     """
 
     predictor: torch.Tensor
@@ -87,6 +89,7 @@ class LossRows:
     old_logprob: torch.Tensor | None = None
     has_old_logprob: bool = False
     trajectory_log_rho: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
     def __post_init__(self):  # rows built without these annotations: zeros, as for the others
         for name in ("value_target", "rollout_value", "old_logprob"):
@@ -237,8 +240,15 @@ def build_loss_rows(
         reward=torch.tensor([0.0 if r is None else r for r in rewards], dtype=dtype),
         has_reward=torch.tensor([r is not None for r in rewards], dtype=torch.bool),
         first_error_position=torch.tensor([-1 if e is None else e for e in errors], dtype=torch.long),
+        source=_sources(rollouts),
         **_annotations(checked, sel, trajectory, dtype),
     )
+
+
+def _sources(rollouts: Sequence[Rollout]) -> torch.Tensor | None:
+    if all(getattr(r, "trajectory_id", None) is None for r in rollouts):
+        return None
+    return torch.tensor(trajectory_sources(rollouts), dtype=torch.long)
 
 
 #: a rollout's per-position annotation -> the rows' field that holds it at each row

@@ -3,8 +3,9 @@ loss reads and the length of the responses.
 
 Every metrics record of ``harts train`` holds, over the update's rollouts:
 
-- ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``: over the rollouts
-  that carry a reward; absent when none does;
+- ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``: over the
+  trajectories that carry a reward (the pieces of a trajectory split where its context drifted,
+  ``trajectory_id``, count once); absent when none does;
 - ``groups_same_reward``: the share of the groups (``group_id``; None is a group of its own) whose
   rewards are all equal, over the groups with at least one reward (rollouts without one are left
   out of their group). Such a group gives a group-relative estimator (GRPO, RLOO) no signal: all
@@ -28,9 +29,24 @@ import torch
 __all__ = ["rollout_stats", "reward_stats", "groups_same_reward", "response_tokens", "advantage_stats"]
 
 
+def whole_trajectories(rollouts: Sequence) -> list:
+    """The rollouts with the pieces of one trajectory (``trajectory_id``) kept once, its first piece
+    standing for it: the pieces share its reward and group."""
+    seen: set = set()
+    out = []
+    for r in rollouts:
+        key = getattr(r, "trajectory_id", None)
+        if key is None or key not in seen:
+            out.append(r)
+        if key is not None:
+            seen.add(key)
+    return out
+
+
 def reward_stats(rollouts: Sequence) -> dict:
-    """``reward_mean``, ``reward_std``, ``reward_min``, ``reward_max`` over the rollouts with a
-    reward; empty when none has one."""
+    """``reward_mean``, ``reward_std``, ``reward_min``, ``reward_max`` over the trajectories with a
+    reward (the pieces of one counted once); empty when none has one."""
+    rollouts = whole_trajectories(rollouts)
     rewards = np.array([float(r.reward) for r in rollouts if r.reward is not None], dtype=np.float64)
     if rewards.size == 0:
         return {}
@@ -41,7 +57,7 @@ def reward_stats(rollouts: Sequence) -> dict:
 def groups_same_reward(rollouts: Sequence) -> float | None:
     """The share of the groups with a reward whose rewards are all equal; None without rewards."""
     groups: dict = {}
-    for i, r in enumerate(rollouts):
+    for i, r in enumerate(whole_trajectories(rollouts)):
         if r.reward is None:
             continue
         key = ("own", i) if r.group_id is None else ("id", r.group_id)
@@ -60,8 +76,14 @@ def _response_tokens(rollout) -> int:
 
 
 def response_tokens(rollouts: Sequence) -> dict:
-    """``response_tokens_mean`` and ``response_tokens_max``: loss-bearing tokens per trajectory."""
-    counts = [_response_tokens(r) for r in rollouts]
+    """``response_tokens_mean`` and ``response_tokens_max``: loss-bearing tokens per trajectory (its
+    pieces' together)."""
+    per_trajectory: dict = {}
+    for i, r in enumerate(rollouts):
+        key = getattr(r, "trajectory_id", None)
+        key = ("own", i) if key is None else ("id", key)
+        per_trajectory[key] = per_trajectory.get(key, 0) + _response_tokens(r)
+    counts = list(per_trajectory.values())
     if not counts:
         return {}
     return {"response_tokens_mean": sum(counts) / len(counts), "response_tokens_max": max(counts)}
