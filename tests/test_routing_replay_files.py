@@ -165,3 +165,34 @@ def test_harts_train_replays_the_files_routes(tmp_path, capsys):
         "narrow.jsonl, line 1, field 'routed_experts': [tokens, 3, 1], but the model has 3 decoder layers"
     )
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_harts_train_on_two_ranks_replays_routes_as_one_process(tmp_path):
+    """The routed file's step on 2 DDP ranks (each rank's forest built with its rollouts' routes)
+    against one process: the same loss and gradient norm, bounded as test_distributed_recipe bounds
+    two layouts of one step (2e-4 for the loss, a sum of terms of both signs; 1e-5 for the norm)."""
+    from tests.test_distributed import _torchrun
+
+    _with_routes(write_small_rollouts(tmp_path / "plain.jsonl", groups=4), tmp_path / "routed.jsonl")
+    records = {}
+    for name, strategy in (("one", None), ("two", "ddp")):
+        tables = dict(
+            model={"tiny": FAMILY},
+            data={"path": str(tmp_path / "routed.jsonl"), "rollouts_per_step": 12},
+            objective={"kind": "ppo", "advantage": "grpo"},
+            run={"budget_tokens": 24},
+            logging={"plot": False},
+        )
+        if strategy is not None:
+            tables["distributed"] = {"strategy": strategy, "timeout_s": 120}
+        config = write_config(tmp_path / f"{name}.toml", {"steps": 1, "max_grad_norm": 0}, tables)
+        if strategy is None:
+            assert run_train(config, tmp_path / name) == 0
+        else:
+            done = _torchrun("-m", "harts", "train", str(config), "--out", str(tmp_path / name), timeout=240)
+            assert done.returncode == 0, done.stderr[-3000:]
+        records[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    one, two = records["one"], records["two"]
+    assert abs(one["loss"] - two["loss"]) <= 2e-4 * abs(one["loss"])
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
