@@ -31,7 +31,7 @@ from harts.ops.tree_attention import tree_attention
 
 __all__ = [
     "Backend", "register_backend", "use_backend", "current_backend", "available_backends", "resolve_backend",
-    "gpu_extra_installed",
+    "gpu_extra_installed", "temporary_backend",
 ]  # fmt: skip
 
 
@@ -118,3 +118,17 @@ def use_backend(name: str) -> Iterator[Backend]:
         yield current_backend()
     finally:
         _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def temporary_backend(backend: Backend) -> Iterator[str]:
+    """``backend`` selectable by its name while the block runs, and unknown again after it (a check
+    that watches a call's kernels runs them under a backend of its own, never left registered)."""
+    if backend.name in _REGISTRY:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    register_backend(backend.name, lambda: backend)
+    try:
+        yield backend.name
+    finally:
+        _REGISTRY.pop(backend.name, None)
+        _CACHE.pop(backend.name, None)
