@@ -332,11 +332,7 @@ def verify_sample(
     accumulates that loss's gradients into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs). ``what``: the
     entry point named in an error, unless the user called another (:func:`entry_point`)."""
-    if getattr(getattr(model, "vision_language", None), "runs_images", False):
-        raise ValueError(
-            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
-            "multimodal model's images: verify its text model, or leave verify off"
-        )
+    _refuse_images(model)
     began = time.perf_counter()
     what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
@@ -348,10 +344,7 @@ def verify_sample(
     label, truth_dtype, autocast = _precision(model)
     low = label not in ("fp32", "fp64")
     loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
-    budget = run.budget_tokens
-    if budget is not None:
-        budget = max(1, min(budget, sub.num_tokens // 2))
-    sample_run = dataclasses.replace(run.unverified, budget_tokens=budget)
+    sample_run = _sample_run(run, sub)
 
     def on_sample(on: nn.Module | None, backend: str) -> tuple[Tensor, dict | None]:
         """harts on the sample (on ``on``, or the call's model), its gradients set aside."""
@@ -379,13 +372,8 @@ def verify_sample(
         with torch.autocast(_device(model).type, enabled=False):
             fp32 = on_sample(None if truth is model else truth, run.backend)
         del truth
-        fp64_values, fp64_grads = _stock_fp64(model, trajectories, loss, values, temperature)
-        fp32_what = f"{what} (its algorithm, at fp32 on a copy of the model)"
-        error, bound, _ = check_values(fp32[0], true_values, fp64_values, "fp32", where, kind, fp32_what)
-        figures.update(algorithm_value_error=error, algorithm_value_bound=bound)
-        if gradients:
-            ratio = check_gradients(fp32[1], true_grads, fp64_grads, "fp32", chosen, fp32_what)
-            figures["algorithm_gradient_ratio"] = ratio
+        fp64 = _stock_fp64(model, trajectories, loss, values, temperature)
+        figures.update(_algorithm_at_fp32(fp32, (true_values, true_grads), fp64, where, kind, chosen, what))
     else:
         del truth
     kernel = check_kernels(kernels)
@@ -400,6 +388,36 @@ def verify_sample(
     sample_tokens = int(sub.num_flat_tokens)
     return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
                         seconds, **figures)  # fmt: skip
+
+
+def _refuse_images(model: nn.Module) -> None:
+    if getattr(getattr(model, "vision_language", None), "runs_images", False):
+        raise ValueError(
+            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
+            "multimodal model's images: verify its text model, or leave verify off"
+        )
+
+
+def _sample_run(run: RunConfig, sub: Forest) -> RunConfig:
+    """The call's settings, unverified, with its budget capped at half the sample's unique tokens
+    when it has one (a cut and a hand-over run on the sample)."""
+    budget = run.budget_tokens
+    if budget is not None:
+        budget = max(1, min(budget, sub.num_tokens // 2))
+    return dataclasses.replace(run.unverified, budget_tokens=budget)
+
+
+def _algorithm_at_fp32(fp32, stock, fp64, where: Where, kind: str, chosen: list[int], what: str) -> dict:
+    """The fp32 check (fp32 bounds) of harts at fp32 on a copy of a low-precision model:
+    ``fp32``, ``stock`` (stock fp32) and ``fp64`` are (row values, gradients or None)."""
+    what = f"{what} (its algorithm, at fp32 on a copy of the model)"
+    error, bound, _ = check_values(fp32[0], stock[0], fp64[0], "fp32", where, kind, what)
+    figures = {"algorithm_value_error": error, "algorithm_value_bound": bound}
+    if fp32[1] is not None:
+        figures["algorithm_gradient_ratio"] = check_gradients(
+            fp32[1], stock[1], fp64[1], "fp32", chosen, what
+        )
+    return figures
 
 
 def _sample_loss(rows: int, values: bool, separable: bool) -> _RowLoss:
