@@ -31,12 +31,21 @@ The check:
    cancels has the rounding of its terms, which the whole gradient's scale bounds). Lower
    precision: harts no worse than ``LOW_PRECISION_FACTOR`` (2) x stock at the same precision, both
    measured against the truth, per parameter and for the whole gradient, with each parameter's
-   share of stock's whole-gradient distance as its floor.
+   share of stock's whole-gradient distance as its floor: blunt (stock bf16's error is large and
+   mostly shared with harts), so two more checks run in low precision:
+5. **(a) the algorithm at fp32**: harts under the call's backend and plan on the truth (the fp32
+   copy, or the model with autocast off) against stock fp32, both from a stock fp64 copy, with the
+   fp32 bounds: plumbing, masks, hand-offs and plans do not depend on the precision, and a fault
+   present in every precision shows at fp32's 1e-3.
+6. **(b) the kernels in the call's precision**: each low-precision tree-attention call of the
+   sample, recorded, against the same kernel in fp32 on the same inputs, under a deterministic
+   bound from the output's and the probabilities' rounding (:mod:`harts.runtime.verify_kernels`).
 
 What it does not check: the call's own loss function (objectives are pure functions of the rows,
 tested exactly), MoE statistics, trajectories outside the sample. Cost: the sample's stock
 forwards (and backwards) twice, harts once on the sample, and one copy of the model in the truth's
-dtype while the check runs.
+dtype while the check runs; in low precision also harts at fp32, stock in fp64 on an fp64 copy
+(one copy held at a time) and two fp32 runs of each recorded attention call.
 """
 
 from __future__ import annotations

@@ -106,8 +106,16 @@ def value_step(
         verified = verify_training(model, forest, run, 1.0, ScalarReadout(head), True, "value_step")
         run = run.unverified
     with data_parallel_step(critic, overlap=run.fsdp_overlap) as (_, dp):
-        result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
-                                 readout=ScalarReadout(head), sharded=dp.sharded if dp is not None else None)
+        result = forest_backward(
+            model,
+            forest,
+            rows.predictor,
+            rows.target,
+            loss,
+            run=run,
+            readout=ScalarReadout(head),
+            sharded=dp.sharded if dp is not None else None,
+        )
     value = result.logprob
     if dp is None:
         variance = explained_variance(value, rows.value_target)
