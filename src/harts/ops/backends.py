@@ -121,14 +121,16 @@ def use_backend(name: str) -> Iterator[Backend]:
 
 
 @contextlib.contextmanager
-def temporary_backend(backend: Backend) -> Iterator[str]:
-    """``backend`` selectable by its name while the block runs, and unknown again after it (a check
-    that watches a call's kernels runs them under a backend of its own, never left registered)."""
-    if backend.name in _REGISTRY:
-        raise ValueError(f"a backend named {backend.name!r} is already registered")
-    register_backend(backend.name, lambda: backend)
+def temporary_backend(key: str, backend: Backend) -> Iterator[str]:
+    """``backend`` selectable as ``key`` while the block runs, and unknown again after it (a check
+    that watches a call's kernels runs them under a backend of its own, never left registered).
+    ``backend.name`` may be another's: what a plan decides by the backend's name (the executor's
+    chunk tree under a device backend) is then decided as under that one."""
+    if key in _REGISTRY:
+        raise ValueError(f"a backend named {key!r} is already registered")
+    register_backend(key, lambda: backend)
     try:
-        yield backend.name
+        yield key
     finally:
-        _REGISTRY.pop(backend.name, None)
-        _CACHE.pop(backend.name, None)
+        _REGISTRY.pop(key, None)
+        _CACHE.pop(key, None)

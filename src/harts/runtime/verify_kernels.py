@@ -82,8 +82,9 @@ def recording(backend_name: str):
             record.calls.append(((q.detach(), k.detach(), v.detach(), *args), kwargs, out.detach()))
         return out
 
-    backend = Backend(f"{base.name}+verify-record", base.recurrences, attention)
-    with temporary_backend(backend) as name:
+    # the same name as the call's backend, so that the sample's plans are those it would make
+    backend = Backend(base.name, base.recurrences, attention)
+    with temporary_backend(f"{backend_name}+verify-record", backend) as name:
         yield name, record
 
 
