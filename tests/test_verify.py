@@ -11,9 +11,16 @@ The faults scale one op's output (tree attention, the delta rule) by 1 + 1e-3 in
 gradient in backward: a log-prob then moves by about 1e-3 x its logits' spread (measured
 1.7e-3 - 2.9e-3 on the tiny models, against the bound 2e-4) and the gradients of the layers
 feeding the op by about 1e-3 relative (measured 1.7e-3 - 3.0e-3, against bounds near 1.1e-4).
+
+In bf16 (parameters or autocast) the bar is the issue's: tree attention's output x1.01 and its
+query's gradient x1.05 in every precision (caught by the check of the algorithm at fp32), x1.02 and x1.05
+only when its inputs are bf16 (caught by the kernel check against itself in fp32), on
+bailing_hybrid and qwen3; the exact kernels pass with the same bits.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -59,6 +66,32 @@ def _faulty(forward: float, backward: float):
 
 register_backend("test-off-in-forward", _faulty(1 + FAULT, 1 + FAULT))
 register_backend("test-off-in-backward", _faulty(1.0, 1 + FAULT))
+
+
+def _attention_off(forward: float, query_grad: float, low_only: bool):
+    """Tree attention's output scaled by ``forward`` (its gradient with it), and the query's
+    gradient by ``query_grad``; with ``low_only``, only when its inputs are bf16 / fp16 (a kernel
+    right in fp32, wrong in bf16)."""
+
+    def attention(q, *args, **kwargs):
+        if low_only and q.dtype not in (torch.bfloat16, torch.float16):
+            return tree_attention(q, *args, **kwargs)
+        out = tree_attention(_Scale.apply(q, 1.0, query_grad), *args, **kwargs)
+        return _Scale.apply(out, forward, forward)
+
+    return lambda: Backend("faulty-attention", {}, attention)
+
+
+# the issue's bar: output x1.01 and the query's gradient x1.05 in every precision, output x1.02
+# and x1.05 only when the inputs are bf16
+LOW_FAULTS = {
+    "out-1.01": _attention_off(1.01, 1.0, False),
+    "dq-1.05": _attention_off(1.0, 1.05, False),
+    "bf16-out-1.02": _attention_off(1.02, 1.0, True),
+    "bf16-out-1.05": _attention_off(1.05, 1.0, True),
+}
+for _name, _factory in LOW_FAULTS.items():
+    register_backend(f"test-{_name}", _factory)
 # the delta rule's plain chunked op is the one a backend replaces (the tree plans run their own)
 RUN = harts.RunConfig(budget_tokens=32, linear_plan="depth")
 
@@ -95,7 +128,12 @@ def test_an_exact_step_passes_and_computes_the_same_bits(family):
     checked = _step(model, rollouts, verify=True)
     got = _grads(model)
     assert torch.equal(plain.loss, checked.loss)
-    assert plain.metrics.keys() == checked.metrics.keys()
+    # the step's own metrics are its bits; the check adds its figures (verify_*) beside them
+    assert set(checked.metrics) == set(plain.metrics) | {
+        k for k in checked.metrics if k.startswith("verify_")
+    }
+    assert {"verify_value_error", "verify_value_bound", "verify_gradient_ratio"} <= set(checked.metrics)
+    assert float(checked.metrics["verify_value_error"]) <= float(checked.metrics["verify_value_bound"])
     assert all(torch.equal(plain.metrics[k], checked.metrics[k]) for k in plain.metrics)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
@@ -174,3 +212,57 @@ def test_harts_train_verifies_its_first_update_and_stops_on_a_failed_check(tmp_p
                          run={"budget_tokens": 32, "linear_plan": "depth", "backend": "test-off-in-backward",
                               "verify": "never"})  # fmt: skip
     assert run_train(never, tmp_path / "never") == 0  # unverified, the faulty kernel trains
+
+
+def _low(model, precision: str):
+    """The model and the context of a call in ``precision``: bf16 parameters, or bf16 autocast."""
+    if precision == "bf16":
+        return model.to(torch.bfloat16), contextlib.nullcontext()
+    return model, torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3"])
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+def test_low_precision_passes_exact_kernels_with_the_same_bits(family, precision):
+    """An exact call in bf16 passes both halves of the check (the algorithm at fp32, the kernels in
+    bf16) and computes the bits it computes unverified; the figures land in its metrics."""
+    model, context = _low(tiny_model(family), precision)
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]
+    with context:
+        plain = _step(model, rollouts)
+        want = _grads(model)
+        checked = _step(model, rollouts, verify=True)
+        got = _grads(model)
+    assert torch.equal(plain.loss, checked.loss)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    m = checked.metrics
+    assert float(m["verify_algorithm_value_error"]) <= float(m["verify_algorithm_value_bound"])
+    assert float(m["verify_algorithm_gradient_ratio"]) <= 1.0
+    assert 0.0 < float(m["verify_kernel_ratio"]) <= 1.0
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "qwen3"])
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+@pytest.mark.parametrize("fault", list(LOW_FAULTS))
+def test_low_precision_catches_a_faulty_attention(family, precision, fault):
+    """Each fault of the bar is a verification failure in bf16: those in every precision at fp32
+    (the algorithm's half), those in bf16 alone by the kernel's half; no gradient is left."""
+    model, context = _low(tiny_model(family), precision)
+    rollouts = batch(model.config.get_text_config().vocab_size)[:6]
+    expected = (
+        "its algorithm, at fp32" if not fault.startswith("bf16") else "tree attention's kernel in bfloat16"
+    )
+    with context, pytest.raises(harts.VerificationError, match=expected) as info:
+        _step(model, rollouts, verify=True, backend=f"test-{fault}")
+    assert str(info.value).startswith("verification of rollout_step ")  # the function called
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_error_names_the_function_called():
+    model = tiny_model(FULL[0])
+    rollouts = batch(model.config.vocab_size)[:6]
+    faulty = harts.RunConfig(**{**RUN.__dict__, "verify": True, "backend": "test-off-in-forward"})
+    with pytest.raises(harts.VerificationError, match="^verification of rollout_step failed"):
+        harts.rollout_step(model, rollouts, LOSS, run=faulty)
+    with pytest.raises(harts.VerificationError, match="^verification of forest_logprobs failed"):
+        harts.forest_logprobs(model, rollouts, run=faulty)

@@ -31,7 +31,7 @@ from harts.ops.tree_attention import tree_attention
 
 __all__ = [
     "Backend", "register_backend", "use_backend", "current_backend", "available_backends", "resolve_backend",
-    "gpu_extra_installed",
+    "gpu_extra_installed", "temporary_backend",
 ]  # fmt: skip
 
 
@@ -118,3 +118,19 @@ def use_backend(name: str) -> Iterator[Backend]:
         yield current_backend()
     finally:
         _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def temporary_backend(key: str, backend: Backend) -> Iterator[str]:
+    """``backend`` selectable as ``key`` while the block runs, and unknown again after it (a check
+    that watches a call's kernels runs them under a backend of its own, never left registered).
+    ``backend.name`` may be another's: what a plan decides by the backend's name (the executor's
+    chunk tree under a device backend) is then decided as under that one."""
+    if key in _REGISTRY:
+        raise ValueError(f"a backend named {key!r} is already registered")
+    register_backend(key, lambda: backend)
+    try:
+        yield key
+    finally:
+        _REGISTRY.pop(key, None)
+        _CACHE.pop(key, None)

@@ -74,7 +74,7 @@ from harts.runtime.readout import Readout, readout_for
 from harts.runtime.result import StepResult, step_result
 from harts.runtime.sharded import ShardedStep
 from harts.runtime.step_parts import PartObserver, PartRun, RowGrads, StepParts, check_rows
-from harts.runtime.verify import Verification, verify_sample
+from harts.runtime.verify import Verification, entry_point, readout_on, verify_sample
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows", "run_schedule", "loss_form",
            "check_rows"]  # fmt: skip
@@ -145,9 +145,10 @@ def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperatur
     """``run.verify``'s check of a training call (:func:`harts.runtime.verify.verify_sample`): harts'
     pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
 
-    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
-        return forest_backward(model, sub, predictor, target, loss, run=sample_run,
-                               temperature=temperature, readout=readout).logprob  # fmt: skip
+    def harts_rows(on, sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
+        return forest_backward(model if on is None else on, sub, predictor, target, loss, run=sample_run,
+                               temperature=temperature,
+                               readout=readout_on(readout, model, on)).logprob  # fmt: skip
 
     return verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout,
                          temperature=temperature, gradients=True, separable=separable,
@@ -197,10 +198,13 @@ def forest_backward(
     readout = readout_for(model, readout, temperature)
     predictor, target = check_rows(forest, predictor, target, readout)
     form = loss_form(loss_fn, observer)
+    verified = None
     if run.verify:
         if sharded is not None:
             raise ValueError(FSDP_VERIFY)
-        verify_training(model, forest, run, temperature, readout, form is LossForm.PER_ROW, "forest_backward")
+        with entry_point("forest_backward"):
+            verified = verify_training(model, forest, run, temperature, readout, form is LossForm.PER_ROW,
+                                       "forest_backward")  # fmt: skip
         run = run.unverified
     with run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
@@ -214,7 +218,8 @@ def forest_backward(
     }
     return step_result(
         parts.loss.detach(), parts.logp, parts.ent, layouts=layouts, tokens_per_micro_batch=parts.sizes,
-        timings=timings, metrics=parts.metrics, num_cuts=parts.plan.num_cuts, part_forwards=parts.forwards,
+        timings=timings, metrics={**parts.metrics, **(verified.metrics() if verified else {})},
+        num_cuts=parts.plan.num_cuts, part_forwards=parts.forwards,
         recomputed_parts=tuple(sorted(parts.recomputed)), peak_held_tokens=parts.peak_held_tokens,
         schedule=schedule,
     )  # fmt: skip

@@ -39,6 +39,7 @@ from harts.runtime.forward_only import (
     position_rows,
 )
 from harts.runtime.readout import ScalarReadout, scalar_head
+from harts.runtime.verify import entry_point
 
 __all__ = ["ForestValues", "ForestScores", "forward_values", "score", "score_positions"]
 
@@ -97,8 +98,9 @@ def forward_values(
     lengths = forest.trajectory_length.tolist()
     positions = [np.arange(1, n) for n in lengths]
     predictor, target = position_rows(forest, positions)
-    rows = forest_row_readout(critic, forest, predictor, torch.zeros_like(target), ScalarReadout(head),
-                              run=run, budget_tokens=budget_tokens)  # fmt: skip
+    with entry_point("forward_values"):  # a failed check names the function the user called
+        rows = forest_row_readout(critic, forest, predictor, torch.zeros_like(target), ScalarReadout(head),
+                                  run=run, budget_tokens=budget_tokens)  # fmt: skip
     return ForestValues(
         PositionScatter(lengths, positions, rows.logprob.device)(rows.logprob, fill), forest, rows
     )

@@ -54,7 +54,7 @@ from harts.runtime.image_inputs import image_features_once
 from harts.runtime.model_checks import sharded_step
 from harts.runtime.readout import Readout, readout_for
 from harts.runtime.step_parts import PartObserver, StepParts, check_rows
-from harts.runtime.verify import verify_sample
+from harts.runtime.verify import entry_point, readout_on, verify_sample
 
 __all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs",
            "stand_in_forward_only"]  # fmt: skip
@@ -192,8 +192,9 @@ def _verify(wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig
     if dp is not None and dp.kind == "fsdp":
         raise ValueError(FSDP_VERIFY)
 
-    def harts_rows(sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
-        return forest_row_readout(wrapped, sub, predictor, target, readout, run=sample_run,
+    def harts_rows(on, sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
+        return forest_row_readout(wrapped if on is None else on, sub, predictor, target,
+                                  readout_on(readout, model, on), run=sample_run,
                                   temperature=temperature).logprob  # fmt: skip
 
     verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout, temperature=temperature,
@@ -282,8 +283,9 @@ def forest_logprobs(
     else:
         positions = [np.arange(1, n) for n in lengths]
     predictor, target = position_rows(forest, positions)
-    rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
-                               temperature=temperature)  # fmt: skip
+    with entry_point("forest_logprobs"):  # a failed check names the function the user called
+        rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
+                                   temperature=temperature)  # fmt: skip
     scatter = PositionScatter(lengths, positions, rows.logprob.device)
     return ForestLogprobs(
         scatter(rows.logprob, fill), scatter(rows.entropy, fill) if entropies else None, scatter.scored(),

@@ -31,20 +31,29 @@ The check:
    cancels has the rounding of its terms, which the whole gradient's scale bounds). Lower
    precision: harts no worse than ``LOW_PRECISION_FACTOR`` (2) x stock at the same precision, both
    measured against the truth, per parameter and for the whole gradient, with each parameter's
-   share of stock's whole-gradient distance as its floor.
+   share of stock's whole-gradient distance as its floor: blunt (stock bf16's error is large and
+   mostly shared with harts), so two more checks run in low precision:
+5. **(a) the algorithm at fp32**: harts under the call's backend and plan on the truth (the fp32
+   copy, or the model with autocast off) against stock fp32, both from a stock fp64 copy, with the
+   fp32 bounds: plumbing, masks, hand-offs and plans do not depend on the precision, and a fault
+   present in every precision shows at fp32's 1e-3.
+6. **(b) the kernels in the call's precision**: each low-precision tree-attention call of the
+   sample, recorded, against the same kernel in fp32 on the same inputs, under a deterministic
+   bound from the output's and the probabilities' rounding (:mod:`harts.runtime.verify_kernels`).
 
 What it does not check: the call's own loss function (objectives are pure functions of the rows,
 tested exactly), MoE statistics, trajectories outside the sample. Cost: the sample's stock
 forwards (and backwards) twice, harts once on the sample, and one copy of the model in the truth's
-dtype while the check runs.
+dtype while the check runs; in low precision also harts at fp32, stock in fp64 on an fp64 copy
+(one copy held at a time) and two fp32 runs of each recorded attention call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,9 +63,19 @@ import torch
 from torch import nn
 
 from harts.forest import Forest, build_forest
+from harts.ops.backends import resolve_backend
 from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
 from harts.runtime.routing_replay import replayed_routing
+from harts.runtime.verify_bounds import (
+    LOW_PRECISION_FACTOR,
+    VerificationError,
+    Where,
+    check_gradients,
+    check_values,
+    raise_on_kernels,
+)
+from harts.runtime.verify_kernels import KernelCalls, check_kernels, recording
 
 __all__ = [
     "VerificationError",
@@ -65,29 +84,44 @@ __all__ = [
     "sample_spans",
     "verify_sample",
     "LOW_PRECISION_FACTOR",
+    "entry_point",
+    "readout_on",
 ]
 
 Tensor = torch.Tensor
 
-LOGPROB_ATOL = 2e-4  # fp32: a log-prob is a logit minus a log-sum-exp, each within 1e-4 of exact
-GRAD_RTOL = 1e-4  # fp32 gradient relative error (the exactness bound)
-LOW_PRECISION_FACTOR = 2.0  # bf16 / fp16: harts' distance to the truth at most this times stock's
 SAMPLE_SIZE = 2  # the fewest that share a prefix: the check's cost is their stock passes
 MAX_PREFIX = 256  # the branch sampled shares at most this many tokens, when the forest has such a branch
 TAIL = 32  # tokens kept of each sampled trajectory past its branch
 _SEED = 20260
+#: the public function the user called, which an error names (the outermost :func:`entry_point`)
+_ENTRY: contextvars.ContextVar[str | None] = contextvars.ContextVar("harts_verify_entry", default=None)
 
 
-class VerificationError(RuntimeError):
-    """harts disagreed with the stock forward on the call's sample by more than its bound; the
-    message names the trajectory and position, or the parameter, the figure and the bound."""
+@contextlib.contextmanager
+def entry_point(name: str):
+    """While the block runs, a failed check names ``name`` (the function the user called), unless
+    an enclosing block named another: ``rollout_step`` runs ``forest_step``, and its error says
+    ``rollout_step``."""
+    token = _ENTRY.set(name) if _ENTRY.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ENTRY.reset(token)
 
 
 @dataclass(frozen=True)
 class Verification:
     """What a passing check measured: the sample (trajectory indices of the call), its tokens, the
     precision checked, harts' and stock's worst row error against the truth and the bound, the
-    worst gradient error as a fraction of its bound (None for a forward-only call), seconds."""
+    worst gradient error as a fraction of its bound (None for a forward-only call), seconds.
+
+    In low precision (bf16 / fp16 parameters or autocast) also: harts' algorithm at fp32 (its
+    worst row error against the fp64 truth, the bound, its worst gradient error as a fraction of
+    its bound) and the attention kernels in the call's precision against themselves in fp32
+    (their error as a fraction of its bound, the same error in units of roundoff of the output's
+    norm, the calls compared: :mod:`harts.runtime.verify_kernels`); None where not measured."""
 
     trajectories: tuple[int, ...]
     tokens: int
@@ -97,6 +131,24 @@ class Verification:
     value_bound: float
     gradient_ratio: float | None
     seconds: float
+    algorithm_value_error: float | None = None
+    algorithm_value_bound: float | None = None
+    algorithm_gradient_ratio: float | None = None
+    kernel_ratio: float | None = None
+    kernel_error_u: float | None = None
+    kernel_calls: int | None = None
+
+    def metrics(self) -> dict[str, Tensor]:
+        """The figures as a result's metrics (0-dim fp64 tensors, names ``verify_*``), those measured."""
+        names = ("value_error", "stock_value_error", "value_bound", "gradient_ratio", "seconds",
+                 "algorithm_value_error", "algorithm_value_bound", "algorithm_gradient_ratio",
+                 "kernel_ratio", "kernel_error_u")  # fmt: skip
+        figures = {n: getattr(self, n) for n in names}
+        return {
+            f"verify_{n}": torch.tensor(float(v), dtype=torch.float64)
+            for n, v in figures.items()
+            if v is not None
+        }
 
 
 def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
@@ -276,7 +328,7 @@ def verify_sample(
     forest: Forest,
     *,
     run: RunConfig,
-    harts_rows: Callable[[Forest, Tensor, Tensor, _RowLoss | None, RunConfig], Tensor],
+    harts_rows: Callable[[nn.Module | None, Forest, Tensor, Tensor, _RowLoss | None, RunConfig], Tensor],
     readout=None,
     temperature: float = 1.0,
     gradients: bool = True,
@@ -286,18 +338,17 @@ def verify_sample(
     """Check ``model`` (the module harts runs, whose ``forward`` is stock) on a sample of
     ``forest`` (module docstring); raise :class:`VerificationError` when harts is off.
 
-    ``harts_rows(sub_forest, predictor, target, loss, run)``: harts' row values on the sample's
+    ``harts_rows(on, sub_forest, predictor, target, loss, run)``: harts' row values on the sample's
     forest under ``run`` (the call's settings, unverified, with the sample's budget: the call's,
     and at most half the sample's tokens when the call has one, so that a cut and a hand-over
-    run); with ``loss`` (``gradients``), a training pass that accumulates that loss's gradients
-    into ``.grad``. ``separable``: the call's loss is a sum of
-    per-row terms (the sample's loss takes the same form, so the same path runs)."""
-    if getattr(getattr(model, "vision_language", None), "runs_images", False):
-        raise ValueError(
-            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
-            "multimodal model's images: verify its text model, or leave verify off"
-        )
+    run), on the call's model when ``on`` is None, else on ``on`` (a copy of it one precision up)
+    with ``readout`` moved onto the copy; with ``loss`` (``gradients``), a training pass that
+    accumulates that loss's gradients into ``.grad``. ``separable``: the call's loss is a sum of
+    per-row terms (the sample's loss takes the same form, so the same path runs). ``what``: the
+    entry point named in an error, unless the user called another (:func:`entry_point`)."""
+    _refuse_images(model)
     began = time.perf_counter()
+    what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
     sample = sample_spans(forest)
     chosen = [i for i, _ in sample]
@@ -308,126 +359,116 @@ def verify_sample(
     sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
     predictor, target, _ = _rows(sub)
     label, truth_dtype, autocast = _precision(model)
-    loss = None
-    if gradients:
-        gen = torch.Generator().manual_seed(_SEED)
-        rows, scale = predictor.numel(), 1.0 / max(predictor.numel(), 1)
-        a = torch.randn(rows, generator=gen, dtype=torch.float64) * scale
-        b = torch.randn(rows, generator=gen, dtype=torch.float64) * (0.0 if values else scale)
-        loss = _RowLoss(a, b, separable)
-    named = _trainable(model)
-    params = [p for _, p in named]
+    low = label not in ("fp32", "fp64")
+    loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
+    sample_run = _sample_run(run, sub)
+
+    def on_sample(on: nn.Module | None, backend: str) -> tuple[Tensor, dict | None]:
+        """harts on the sample (on ``on``, or the call's model), its gradients set aside."""
+        named = _trainable(model if on is None else on)
+        with _set_aside([p for _, p in named]):
+            out = harts_rows(
+                on, sub, predictor, target, loss, dataclasses.replace(sample_run, backend=backend)
+            )
+            return out.detach().double().cpu(), (_grads(named) if gradients else None)
+
+    kernels = KernelCalls()
+    with (
+        recording(resolve_backend(run.backend, _device(model))[0]) if low else contextlib.nullcontext() as rec
+    ):
+        harts_values, harts_grads = on_sample(None, rec[0] if rec is not None else run.backend)
+        kernels = rec[1] if rec is not None else kernels
+    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast, routes)
+    truth = model if (autocast or label == "fp64") else _truth_model(model, truth_dtype)
+    with _set_aside([p for _, p in _trainable(model)]):  # the copy's forward leaves the model's gradients
+        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False, routes)
+    where = Where(chosen, [t.numel() for t in trajectories])
+    kind = "value" if values else "log-prob"
+    figures: dict[str, float] = {}
+    if low:  # (a) harts' algorithm at fp32, on the truth, against the stock forward in fp64
+        with torch.autocast(_device(model).type, enabled=False):
+            fp32 = on_sample(None if truth is model else truth, run.backend)
+        del truth
+        fp64 = _stock_fp64(model, trajectories, loss, values, temperature, routes)
+        figures.update(_algorithm_at_fp32(fp32, (true_values, true_grads), fp64, where, kind, chosen, what))
+    else:
+        del truth
+    kernel = check_kernels(kernels)
+    if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
+        raise_on_kernels(kernel, label, chosen, what)
+        figures.update(kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls)
+    value_error, value_bound, stock_error = check_values(
+        harts_values, stock_values, true_values, label, where, kind, what
+    )
+    ratio = check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what) if gradients else None
+    seconds = time.perf_counter() - began
+    sample_tokens = int(sub.num_flat_tokens)
+    return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
+                        seconds, **figures)  # fmt: skip
+
+
+def _refuse_images(model: nn.Module) -> None:
+    if getattr(getattr(model, "vision_language", None), "runs_images", False):
+        raise ValueError(
+            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
+            "multimodal model's images: verify its text model, or leave verify off"
+        )
+
+
+def _sample_run(run: RunConfig, sub: Forest) -> RunConfig:
+    """The call's settings, unverified, with its budget capped at half the sample's unique tokens
+    when it has one (a cut and a hand-over run on the sample)."""
     budget = run.budget_tokens
     if budget is not None:
         budget = max(1, min(budget, sub.num_tokens // 2))
-    sample_run = dataclasses.replace(run.unverified, budget_tokens=budget)
-    with _set_aside(params):
-        harts_values = harts_rows(sub, predictor, target, loss, sample_run).detach().double().cpu()
-        harts_grads = _grads(named) if gradients else None
-    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast, routes)
-    truth = (
-        model
-        if (truth_dtype == torch.float32 and autocast) or label == "fp64"
-        else _truth_model(model, truth_dtype)
-    )
-    with _set_aside(params):  # whatever the copy's forward reaches, the model's gradients stay as they were
-        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False, routes)
-    del truth
-    where = _Where(chosen, [t.numel() for t in trajectories])
-    kind = "value" if values else "log-prob"
-    value_error, value_bound, stock_error = _check_values(
-        harts_values, stock_values, true_values, label, where, kind, what
-    )
-    ratio = None
-    if gradients:
-        ratio = _check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what)
-    return Verification(
-        tuple(chosen),
-        int(sub.num_flat_tokens),
-        label,
-        value_error,
-        stock_error,
-        value_bound,
-        ratio,
-        time.perf_counter() - began,
-    )
+    return dataclasses.replace(run.unverified, budget_tokens=budget)
 
 
-class _Where:
-    """Row index of the sample -> (the call's trajectory index, position)."""
-
-    def __init__(self, chosen: list[int], lengths: list[int]):
-        self.chosen = chosen
-        self.starts = np.cumsum([0] + [n - 1 for n in lengths])
-
-    def __call__(self, row: int) -> tuple[int, int]:
-        k = int(np.searchsorted(self.starts, row, side="right") - 1)
-        return self.chosen[k], int(row - self.starts[k]) + 1
-
-
-def _check_values(
-    harts: Tensor, stock: Tensor, truth: Tensor, label: str, where: _Where, kind: str, what: str
-) -> tuple[float, float, float]:
-    harts_error, stock_error = (harts - truth).abs(), (stock - truth).abs()
-    worst, stock_worst = float(harts_error.max()), float(stock_error.max())
-    if label in ("fp32", "fp64"):
-        bound = max(LOGPROB_ATOL, 2.0 * stock_worst)
-    else:  # never stricter than fp32's bound (a stock that computes in fp32 here has no error)
-        bound = max(LOGPROB_ATOL, LOW_PRECISION_FACTOR * stock_worst)
-    if not worst <= bound:
-        row = int(harts_error.argmax())
-        trajectory, position = where(row)
-        raise VerificationError(
-            f"verification of {what} failed ({label}): trajectory {trajectory}, position {position}: harts' "
-            f"{kind} {float(harts[row]):.6g} is {worst:.3g} from the truth ({_truth_name(label)}), stock "
-            f"{label}'s worst is {stock_worst:.3g}; bound {bound:.3g}. The call's gradients were not "
-            f"computed; this setup (kernels, dtype, device) is not exact here"
+def _algorithm_at_fp32(fp32, stock, fp64, where: Where, kind: str, chosen: list[int], what: str) -> dict:
+    """The fp32 check (fp32 bounds) of harts at fp32 on a copy of a low-precision model:
+    ``fp32``, ``stock`` (stock fp32) and ``fp64`` are (row values, gradients or None)."""
+    what = f"{what} (its algorithm, at fp32 on a copy of the model)"
+    error, bound, _ = check_values(fp32[0], stock[0], fp64[0], "fp32", where, kind, what)
+    figures = {"algorithm_value_error": error, "algorithm_value_bound": bound}
+    if fp32[1] is not None:
+        figures["algorithm_gradient_ratio"] = check_gradients(
+            fp32[1], stock[1], fp64[1], "fp32", chosen, what
         )
-    return worst, bound, stock_worst
+    return figures
 
 
-def _truth_name(label: str) -> str:
-    return "the stock forward in fp64" if label in ("fp32", "fp64") else "the stock forward in fp32"
+def _sample_loss(rows: int, values: bool, separable: bool) -> _RowLoss:
+    """The sample's fixed random loss of its ``rows`` (no entropy term for a critic's values)."""
+    gen = torch.Generator().manual_seed(_SEED)
+    scale = 1.0 / max(rows, 1)
+    a = torch.randn(rows, generator=gen, dtype=torch.float64) * scale
+    b = torch.randn(rows, generator=gen, dtype=torch.float64) * (0.0 if values else scale)
+    return _RowLoss(a, b, separable)
 
 
-def _check_gradients(
-    harts: dict, stock: dict, truth: dict, label: str, chosen: list[int], what: str
-) -> float:
-    """The worst parameter's error as a fraction of its bound (raises above 1)."""
-    total = sum(t.numel() for t in truth.values())
-    whole = math.sqrt(sum(float(t.pow(2).sum()) for t in truth.values()))
-    stock_whole = math.sqrt(sum(float((stock[n] - t).pow(2).sum()) for n, t in truth.items()))
-    harts_whole = math.sqrt(sum(float((harts[n] - t).pow(2).sum()) for n, t in truth.items()))
-    low = label not in ("fp32", "fp64")
-    worst_ratio, failures = 0.0, []
-    if low and harts_whole > max(LOW_PRECISION_FACTOR * stock_whole, GRAD_RTOL * whole):
-        bound = max(LOW_PRECISION_FACTOR * stock_whole, GRAD_RTOL * whole) / whole
-        failures.append(("the whole gradient", harts_whole / whole, bound))
-    for name, t in truth.items():
-        share = math.sqrt(t.numel() / total)
-        error = float((harts[name] - t).norm())
-        stock_error = float((stock[name] - t).norm())
-        norm = float(t.norm())
-        if low:  # never stricter than fp32's bound
-            bound = max(
-                LOW_PRECISION_FACTOR * stock_error + stock_whole * share,
-                GRAD_RTOL * norm + GRAD_RTOL * whole * share,
-            )
-        else:
-            bound = max(GRAD_RTOL * norm, 2.0 * stock_error) + GRAD_RTOL * whole * share
-        if bound == 0.0:
-            bound = torch.finfo(torch.float32).tiny
-        worst_ratio = max(worst_ratio, error / bound)
-        if error > bound:
-            failures.append((name, error / max(norm, 1e-30), bound / max(norm, 1e-30)))
-    if failures:
-        failures.sort(key=lambda f: f[1] / f[2], reverse=True)
-        name, error, bound = failures[0]
-        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise VerificationError(
-            f"verification of {what} failed ({label}) on trajectories {chosen}: parameter {name}{more}: "
-            f"harts' gradient is {error:.3g} (relative) from the truth ({_truth_name(label)}); bound "
-            f"{bound:.3g}. The call's gradients were not computed; this setup (kernels, dtype, device) is "
-            f"not exact here"
-        )
-    return worst_ratio
+def _stock_fp64(model, trajectories, loss, values, temperature, routes) -> tuple[Tensor, dict | None]:
+    """The stock forward (and backward) of the sample on a copy of ``model`` in fp64, the copy
+    dropped after: the truth of the fp32 check of a low-precision call."""
+    fp64 = _truth_model(model, torch.float64)
+    with _set_aside([p for _, p in _trainable(model)]):
+        out = _stock(fp64, trajectories, loss, values, temperature, False, routes)
+    del fp64
+    return out
+
+
+def readout_on(readout, model: nn.Module, on: nn.Module | None):
+    """``readout`` reading ``on`` (a copy of ``model``) where it read ``model``: its head (a
+    module of the model) swapped for the copy's module of the same name."""
+    head = getattr(readout, "head", None)
+    if on is None or head is None:
+        return readout
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name is None:
+        raise ValueError("RunConfig(verify=True): the readout's head is not a module of the model it reads")
+    moved = copy.copy(readout)
+    moved.head = on.get_submodule(name)
+    return moved
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

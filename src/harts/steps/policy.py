@@ -50,7 +50,7 @@ from harts.runtime.image_forest import has_images, image_forest
 from harts.runtime.image_inputs import image_features_once
 from harts.runtime.result import StepResult, replace_result
 from harts.runtime.routers import RouterRecorder
-from harts.runtime.verify import Verification
+from harts.runtime.verify import Verification, entry_point
 from harts.steps.router_statistics import MoEObserver, resolve_aux_coef
 
 __all__ = ["rollout_step", "forest_step", "step_inputs", "verify_step"]
@@ -137,10 +137,13 @@ def forest_step(
     config = _with_temperature(config, temperature)
     if run.verify and (dp := data_parallel(model)) is not None and dp.kind == "fsdp":
         raise ValueError(FSDP_VERIFY)
-    with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp):
-        result, observer = _local_step(module, dp, forest, rows, config, normalizers, run, moe, old_logprob)
+    with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp), entry_point("forest_step"):
+        result, observer, verified = _local_step(module, dp, forest, rows, config, normalizers, run, moe,
+                                                 old_logprob)  # fmt: skip
     if dp is not None:
         result = _sum_results(result, dp, observer)
+    if verified is not None:  # this rank's check's figures, after the sum over ranks
+        result = replace_result(result, metrics={**result.metrics, **verified.metrics()})
     return result
 
 
@@ -161,8 +164,9 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
         rows = rows.with_old_logprob(old_logprob.to(device))
 
     loss_fn = _PolicyLoss(rows, config, normalizers)
+    verified = None
     if run.verify:  # before the routers are recorded: the check's forwards are not the step's
-        _verify(model, forest, config, run)
+        verified = _verify(model, forest, config, run)
         run = run.unverified
 
     recorder = RouterRecorder(model) if moe is not None else None
@@ -182,7 +186,7 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
             sharded=dp.sharded if dp is not None else None,
         )
     if observer is None:
-        return replace_result(result, rows=rows), observer
+        return replace_result(result, rows=rows), observer, verified
     stats = observer.stats()
     loss, metrics = result.loss, dict(result.metrics)
     if stats.aux_loss is not None:
@@ -190,7 +194,7 @@ def _local_step(model, dp: DataParallel | None, forest, rows, config, normalizer
         if aux_coef > 0:
             loss = loss + aux_coef * stats.aux_loss.detach().to(loss.dtype)
             metrics["loss"] = loss
-    return replace_result(result, rows=rows, moe=stats, loss=loss, metrics=metrics), observer
+    return replace_result(result, rows=rows, moe=stats, loss=loss, metrics=metrics), observer, verified
 
 
 def verify_step(
@@ -292,7 +296,8 @@ def rollout_step(
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
     forest, rows = step_inputs(model, rollouts, share_prefixes)
-    result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
+    with entry_point("rollout_step"):  # a failed check names the function the user called
+        result = forest_step(model, forest, rows, config, normalizers=normalizers, run=run, moe=moe)
     return replace_result(result, batch_layout=getattr(rollouts, "layout", None))
 
 

@@ -99,14 +99,23 @@ def value_step(
         raise TypeError(f"expected Normalizers (see normalizers_for), got {type(normalizers).__name__}")
     rows = rows.to(model_device(model))
     loss = _ValueLoss(rows, config, normalizers)
+    verified = None
     if run.verify:
         if dp is not None and dp.kind == "fsdp":
             raise ValueError(FSDP_VERIFY)
-        verify_training(model, forest, run, 1.0, ScalarReadout(head), True, "value_step")
+        verified = verify_training(model, forest, run, 1.0, ScalarReadout(head), True, "value_step")
         run = run.unverified
     with data_parallel_step(critic, overlap=run.fsdp_overlap) as (_, dp):
-        result = forest_backward(model, forest, rows.predictor, rows.target, loss, run=run,
-                                 readout=ScalarReadout(head), sharded=dp.sharded if dp is not None else None)
+        result = forest_backward(
+            model,
+            forest,
+            rows.predictor,
+            rows.target,
+            loss,
+            run=run,
+            readout=ScalarReadout(head),
+            sharded=dp.sharded if dp is not None else None,
+        )
     value = result.logprob
     if dp is None:
         variance = explained_variance(value, rows.value_target)
@@ -114,6 +123,8 @@ def value_step(
         result = _sum_metrics(result, dp)
         variance = _explained_variance_over_ranks(value, rows.value_target, dp)
     metrics = {**result.metrics, "explained_variance": variance.to(result.loss.dtype)}
+    if verified is not None:  # this rank's check's figures, after the sum over ranks
+        metrics.update(verified.metrics())
     return replace_result(result, rows=rows, value=value, metrics=metrics,
                           batch_layout=getattr(rollouts, "layout", None))  # fmt: skip
 
