@@ -30,6 +30,11 @@ ALLOWED = {
     "steps": {"batch_positions", "forest", "plan", "ops", "adapters", "runtime", "objectives", "steps"},
     "tiny": {"adapters", "tiny"},
 }
+# the recorded MoE routes of a forest's tokens: beside the forest, read wherever the forest is
+ALLOWED["forest_routes"] = {"forest_routes"}
+for _layer, _allowed in ALLOWED.items():
+    if "forest" in _allowed:
+        _allowed.add("forest_routes")
 # training runs (harts train): every layer above and the tiny models; nothing below imports it
 ALLOWED["trainer"] = set(ALLOWED) | {"trainer"}
 # online RL (harts rl): a layer above the training run, whose pieces it reuses; trainer never imports it

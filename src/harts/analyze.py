@@ -9,6 +9,14 @@ budget. ``--html`` writes a self-contained page with an icicle picture of the fo
 per node, as wide as its tokens (path positions left to right) and as tall as the trajectories
 through it, darker where more trajectories share it.
 
+With ``--model`` and a file that holds the engine's log-probs (``rollout_logprobs``, or the turns
+form's ``completion_logprobs``), the model (its weights loaded: a local directory, or a tiny
+family's seeded initialisation) scores every loss token of the file, forward only and under
+``--budget``, with its recorded MoE routes replayed where the file has them, and the report gains
+the engine-trainer mismatch: ``mismatch_kl`` (k3 of KL(engine || trainer)), ``mismatch_log_rho_abs``
+(mean |log rho|) and the figures of :func:`harts.objectives.mismatch.mismatch_figures`, at the
+sampling ``--temperature``. Nothing is trained.
+
 What this leaves out: the chat form of rollout files, and timing (``harts bench`` measures).
 """
 
@@ -25,6 +33,8 @@ import torch
 from harts.adapters.base import registered_adapter
 from harts.data.rollout_files import read_rollouts
 from harts.forest import Forest, build_forest
+from harts.forest_routes import routes_of
+from harts.objectives.mismatch import mismatch_figures
 from harts.plan.layout import TreeLayout
 from harts.plan.micro_batches import plan_micro_batches
 from harts.runtime.flops import flop_model, forest_flops
@@ -141,16 +151,57 @@ def _page(path: Path, stats: dict, svg: str) -> str:
     )
 
 
+def mismatch_stats(rollouts, model: str, budget: int | None, temperature: float = 1.0) -> dict:
+    """The engine-trainer mismatch of ``rollouts`` (which carry the engine's log-probs) under
+    ``model`` (a tiny family or a local directory, loaded with its weights): module docstring."""
+    from harts.runtime.forward_only import forest_logprobs
+    from harts.trainer.config import ModelConfig
+    from harts.trainer.inputs import load_model
+
+    spec = ModelConfig(tiny=model, seed=0) if model in ALL_FAMILIES else ModelConfig(path=Path(model))
+    loaded = load_model(spec, seed=0).eval()
+    with torch.no_grad():
+        scored = forest_logprobs(
+            loaded, rollouts, budget_tokens=budget, temperature=temperature, loss_positions_only=True
+        )
+    engine, trainer, trajectory = [], [], []
+    for i, (r, old) in enumerate(zip(rollouts, scored.logprobs, strict=True)):
+        mask = (
+            np.ones(len(r.tokens), dtype=bool) if r.loss_mask is None else np.asarray(r.loss_mask, dtype=bool)
+        )
+        mask[0] = False
+        where = torch.from_numpy(np.flatnonzero(mask))
+        engine.append(torch.as_tensor(np.asarray(r.rollout_logprobs, dtype=np.float64))[where])
+        trainer.append(old.double()[where])
+        trajectory.append(torch.full((where.numel(),), i))
+    b, o = torch.cat(engine), torch.cat(trainer)
+    log_rho = o - b
+    stats = {
+        "mismatch_tokens": int(b.numel()),
+        "mismatch_kl": float((torch.expm1(log_rho) - log_rho).mean()),
+        "mismatch_log_rho_abs": float(log_rho.abs().mean()),
+    }
+    stats.update(mismatch_figures(b, o, torch.cat(trajectory)))
+    return stats
+
+
 def analyze(
-    path: str | Path, model: str | None = None, budget: int | None = None, tokenizer=None
+    path: str | Path,
+    model: str | None = None,
+    budget: int | None = None,
+    tokenizer=None,
+    temperature: float = 1.0,
 ) -> tuple[dict, Forest]:
-    """The figures of a rollout file (``tokenizer``: for a file in chat form) and its forest."""
+    """The figures of a rollout file (``tokenizer``: for a file in chat form) and its forest; with
+    ``model`` and the engine's log-probs in the file, the engine-trainer mismatch too."""
     rollouts = read_rollouts(path, tokenizer=tokenizer)
     trajectories = [r.tokens for r in rollouts]
-    forest = build_forest(trajectories)
+    forest = build_forest(trajectories, routed_experts=routes_of(rollouts))
     stats = forest_stats(forest)
     if model is not None:
         stats.update(plan_stats(forest, trajectories, model, budget))
+        if all(r.rollout_logprobs is not None for r in rollouts):
+            stats.update(mismatch_stats(rollouts, model, budget, temperature))
     return stats, forest
 
 
@@ -162,8 +213,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokenizer", help="local tokenizer directory, for a file in chat form (messages)")
     p.add_argument("--html", help="write a self-contained page with a picture of the forest")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the engine's sampling temperature, for the mismatch of its log-probs",
+    )
     a = p.parse_args(argv)
-    stats, forest = analyze(a.file, a.model, a.budget, a.tokenizer)
+    stats, forest = analyze(a.file, a.model, a.budget, a.tokenizer, a.temperature)
     if a.json:
         print(json.dumps(stats))
     else:

@@ -350,13 +350,7 @@ def verify_sample(
     began = time.perf_counter()
     what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
-    sample = sample_spans(forest)
-    chosen = [i for i, _ in sample]
-    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
-    routes = None
-    if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
-        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
-    sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
+    chosen, trajectories, routes, sub = _sample_of(forest)
     predictor, target, _ = _rows(sub)
     label, truth_dtype, autocast = _precision(model)
     low = label not in ("fp32", "fp64")
@@ -405,6 +399,18 @@ def verify_sample(
     sample_tokens = int(sub.num_flat_tokens)
     return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
                         seconds, **figures)  # fmt: skip
+
+
+def _sample_of(forest: Forest) -> tuple[list[int], list[Tensor], list[Tensor] | None, Forest]:
+    """The sample (:func:`sample_spans`): its trajectories' indices, their token ids, their recorded
+    MoE routes (replayed in harts and in stock; None without), and its own forest."""
+    sample = sample_spans(forest)
+    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
+    routes = None
+    if forest.routed_experts is not None:
+        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
+    sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
+    return [i for i, _ in sample], trajectories, routes, sub
 
 
 def _refuse_images(model: nn.Module) -> None:

@@ -14,8 +14,9 @@ import torch
 
 from harts.forest import Forest
 from harts.objectives.advantages import estimate_advantages
-from harts.objectives.corrections import log_rho_of
+from harts.objectives.corrections import old_logprobs_of
 from harts.objectives.losses import PolicyLossConfig, normalizers_for
+from harts.objectives.mismatch import mismatch_figures
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
 from harts.runtime.backward import StepResult
@@ -56,8 +57,10 @@ def train_step(
 
     When the loss reads advantages, ``result.metrics`` gains ``advantage_mean`` and
     ``advantage_std`` over the whole step's loss rows (the same on every rank); when the rows hold
-    both behaviour and old log-probs, ``mismatch_log_rho_abs_max``, the largest |log rho| of the
-    step (a maximum, which the step's metrics, sums over its parts and ranks, cannot carry)."""
+    both behaviour and old log-probs, the mismatch figures of the whole step that no sum over its
+    parts and ranks can carry (:func:`harts.objectives.mismatch.mismatch_figures`: the largest
+    |log rho|, the engine-trainer probability correlation, k3 and |log rho| by quarter of the
+    trajectories)."""
     forest, rows, local_forest, local_rows = _agreed(
         ranks, ValueError, _prepare, model, rollouts, objective, loss, ranks
     )
@@ -72,9 +75,10 @@ def train_step(
     if loss.policy_loss.needs_advantages and rows.has_advantage:  # the whole step's: alike on every rank
         figures = advantage_stats(rows.advantage)
         result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
-    if "mismatch_log_rho_abs" in result.metrics and rows.num_rows:  # a max is no sum over parts
-        log_rho = log_rho_of(rows, None, "the mismatch metrics")
-        result.metrics["mismatch_log_rho_abs_max"] = log_rho.abs().max()
+    if "mismatch_log_rho_abs" in result.metrics and rows.num_rows:  # no sums over parts: the whole step's
+        old = old_logprobs_of(rows, None)
+        figures = mismatch_figures(rows.rollout_logprob, old, rows.trajectory)
+        result.metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()})
     return result, forest, report
 
 

@@ -63,7 +63,8 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
     """``step 4/12 | loss 4.4987 | lr 3.3e-04 | gnorm 2.31 | 3,025 unique tok/s (20,700 flat, 9,800 loss)
     | shared 6.84x | 0.021 TFLOP/s (MFU 31.2% on a known CUDA device) | ...``
     (with a critic, its value loss and explained variance after ``gnorm``; with rewards their mean,
-    ``reward 0.53``, and the mean response length, ``resp 143 tok``, after those)."""
+    ``reward 0.53``, and the mean response length, ``resp 143 tok``, after those; with both the
+    engine's and the trainer's old log-probs, the engine-trainer gap, ``mismatch kl 1.2e-03``)."""
     parts = [
         f"step {record['step']}/{total}",
         f"epoch {record['epoch']}",
@@ -75,6 +76,7 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
           if "value_loss" in record else []),  # fmt: skip
         *([f"reward {record['reward_mean']:.3g}"] if "reward_mean" in record else []),
         *([f"resp {record['response_tokens_mean']:,.0f} tok"] if "response_tokens_mean" in record else []),
+        *([f"mismatch kl {record['mismatch_kl']:.2e}"] if "mismatch_kl" in record else []),
         f"{record['unique_tokens_per_s']:,.0f} unique tok/s ({record['flat_tokens_per_s']:,.0f} flat"
         + (f", {record['loss_tokens_per_s']:,.0f} loss)" if "loss_tokens_per_s" in record else ")"),
         f"shared {record['redundancy']:.2f}x",
@@ -91,7 +93,8 @@ def _flops(record: dict) -> str:
 
 
 PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "value_loss",
-           "explained_variance", "reward_mean", "response_tokens_mean", "redundancy",
+           "explained_variance", "reward_mean", "response_tokens_mean", "mismatch_kl", "mismatch_prob_corr",
+           "redundancy",
            "unique_tokens_per_s")  # fmt: skip
 
 
