@@ -75,6 +75,7 @@ from harts.runtime.verify_bounds import (
     check_values,
     raise_on_kernels,
 )
+from harts.runtime.verify_images import SampleImages, sample_images, stock_kwargs, trainable, whole_images
 from harts.runtime.verify_kernels import KernelCalls, check_kernels, recording
 
 __all__ = [
@@ -209,18 +210,25 @@ def _rows(forest: Forest) -> tuple[Tensor, Tensor, list[Tensor]]:
 
 
 def _stock_rows(
-    model: nn.Module, ids: Tensor, values: bool, temperature: float, autocast: bool = True
+    model: nn.Module,
+    ids: Tensor,
+    values: bool,
+    temperature: float,
+    autocast: bool = True,
+    images: SampleImages | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The stock forward of one trajectory: (value, entropy) of each position ``p >= 1`` read at
-    ``p - 1`` (log-prob of token ``p`` and the entropy; or the critic's value and zeros)."""
-    if "forward" in model.__dict__ and not autocast:
+    """The stock forward of one trajectory (with its ``images``): (value, entropy) of each position
+    ``p >= 1`` read at ``p - 1`` (log-prob of token ``p`` and the entropy; or the critic's value
+    and zeros)."""
+    # a text view: its whole model's forward, with the trajectory's images
+    target = model.multimodal if getattr(model, "vision_language", None) is not None else model
+    kwargs = stock_kwargs(model, ids, images)
+    if "forward" in target.__dict__ and not autocast:
         # a wrapper's forward on the instance (accelerate's) may enter autocast itself: the truth
         # runs the class's own forward, at the precision asked for
-        out = type(model).forward(model, input_ids=ids[None])
-    elif getattr(model, "vision_language", None) is not None:  # a text view: its whole model's forward
-        out = model.multimodal(input_ids=ids[None])
+        out = type(target).forward(target, **kwargs)
     else:
-        out = model(input_ids=ids[None])
+        out = target(**kwargs)
     logits = out if isinstance(out, Tensor) else out.logits
     if values:
         value = logits[0, :-1, 0].float()
@@ -230,8 +238,7 @@ def _stock_rows(
     return logp.gather(1, ids[1:, None])[:, 0], entropy
 
 
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+_trainable = trainable
 
 
 @contextlib.contextmanager
@@ -264,10 +271,11 @@ def _stock(
     temperature: float,
     autocast: bool,
     routes: list[Tensor] | None = None,
+    images: list[SampleImages] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor] | None]:
     """Stock row values of the sample (fp64, concatenated) and, with ``loss``, the gradients of
     its loss summed over the trajectories (fp64 by name); ``routes``: each trajectory's recorded
-    MoE routes, replayed in its forward."""
+    MoE routes, replayed in its forward; ``images``: each trajectory's images."""
     device = next(model.parameters()).device
     named = _trainable(model)
     out, offset, grads = [], 0, None
@@ -278,7 +286,8 @@ def _stock(
             ids = ids.to(device)
             replay = contextlib.nullcontext() if routes is None else replayed_routing(model, routes[i])
             with replay:
-                first, second = _stock_rows(model, ids, values, temperature, autocast)
+                own = images[i] if images is not None else None
+                first, second = _stock_rows(model, ids, values, temperature, autocast, own)
             rows = first.numel()
             if loss is not None:
                 _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
@@ -294,17 +303,19 @@ def _stock(
 def _truth_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` in ``dtype`` (eager MoE experts where the kernel has no fp64 path)."""
     truth = copy.deepcopy(model)
-    for module in truth.modules():
+    whole = getattr(truth, "multimodal", truth)  # a text view's whole model, its vision tower too
+    for module in [*truth.modules(), *whole.modules()]:
         # a wrapper may have replaced ``forward`` on the instance (accelerate's output casting): the
         # copy keeps a function bound to the original model, which would run instead of the copy
         module.__dict__.pop("forward", None)
     if dtype == torch.float64:  # the outermost transformers model (a ValueHead wraps one)
-        owner = next((m for m in truth.modules() if hasattr(m, "set_experts_implementation")), None)
+        owner = next((m for m in whole.modules() if hasattr(m, "set_experts_implementation")), None)
         if owner is not None:
             try:
                 owner.set_experts_implementation("eager")
             except (ValueError, AttributeError):  # a model without experts
                 pass
+    whole.to(dtype)
     return truth.to(dtype)
 
 
@@ -346,17 +357,20 @@ def verify_sample(
     accumulates that loss's gradients into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs). ``what``: the
     entry point named in an error, unless the user called another (:func:`entry_point`)."""
-    _refuse_images(model)
     began = time.perf_counter()
     what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
-    sample = sample_spans(forest)
+    sample = whole_images(forest, sample_spans(forest))  # a cut never splits an image
     chosen = [i for i, _ in sample]
     trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
     routes = None
     if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
         routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
-    sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
+    images = None
+    if getattr(forest, "images", None) is not None:  # each trajectory with its own images
+        sub, images = sample_images(model, forest, sample, routes)
+    else:
+        sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
     predictor, target, _ = _rows(sub)
     label, truth_dtype, autocast = _precision(model)
     low = label not in ("fp32", "fp64")
@@ -378,10 +392,11 @@ def verify_sample(
     ):
         harts_values, harts_grads = on_sample(None, rec[0] if rec is not None else run.backend)
         kernels = rec[1] if rec is not None else kernels
-    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast, routes)
+    stock = (trajectories, loss, values, temperature)
+    stock_values, stock_grads = _stock(model, *stock, autocast, routes, images)
     truth = model if (autocast or label == "fp64") else _truth_model(model, truth_dtype)
     with _set_aside([p for _, p in _trainable(model)]):  # the copy's forward leaves the model's gradients
-        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False, routes)
+        true_values, true_grads = _stock(truth, *stock, False, routes, images)
     where = Where(chosen, [t.numel() for t in trajectories])
     kind = "value" if values else "log-prob"
     figures: dict[str, float] = {}
@@ -389,7 +404,7 @@ def verify_sample(
         with torch.autocast(_device(model).type, enabled=False):
             fp32 = on_sample(None if truth is model else truth, run.backend)
         del truth
-        fp64 = _stock_fp64(model, trajectories, loss, values, temperature, routes)
+        fp64 = _stock_fp64(model, *stock, routes, images)
         figures.update(_algorithm_at_fp32(fp32, (true_values, true_grads), fp64, where, kind, chosen, what))
     else:
         del truth
@@ -405,14 +420,6 @@ def verify_sample(
     sample_tokens = int(sub.num_flat_tokens)
     return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
                         seconds, **figures)  # fmt: skip
-
-
-def _refuse_images(model: nn.Module) -> None:
-    if getattr(getattr(model, "vision_language", None), "runs_images", False):
-        raise ValueError(
-            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
-            "multimodal model's images: verify its text model, or leave verify off"
-        )
 
 
 def _sample_run(run: RunConfig, sub: Forest) -> RunConfig:
@@ -446,12 +453,12 @@ def _sample_loss(rows: int, values: bool, separable: bool) -> _RowLoss:
     return _RowLoss(a, b, separable)
 
 
-def _stock_fp64(model, trajectories, loss, values, temperature, routes) -> tuple[Tensor, dict | None]:
+def _stock_fp64(model, trajectories, loss, values, temperature, routes, images) -> tuple[Tensor, dict | None]:
     """The stock forward (and backward) of the sample on a copy of ``model`` in fp64, the copy
     dropped after: the truth of the fp32 check of a low-precision call."""
     fp64 = _truth_model(model, torch.float64)
     with _set_aside([p for _, p in _trainable(model)]):
-        out = _stock(fp64, trajectories, loss, values, temperature, False, routes)
+        out = _stock(fp64, trajectories, loss, values, temperature, False, routes, images)
     del fp64
     return out
 
