@@ -60,10 +60,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harts.forest import Forest, build_forest
 from harts.ops.backends import resolve_backend
+from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.config import RunConfig
 from harts.runtime.readout import ScalarReadout
 from harts.runtime.routing_replay import replayed_routing
@@ -77,6 +79,7 @@ from harts.runtime.verify_bounds import (
 )
 from harts.runtime.verify_images import SampleImages, sample_images, stock_kwargs, trainable, whole_images
 from harts.runtime.verify_kernels import KernelCalls, check_kernels, recording
+from harts.runtime.verify_sharded import agree, broadcast_sample, is_sharded, local_grad, refuse_low, sharded_truth
 
 __all__ = [
     "VerificationError",
@@ -258,8 +261,9 @@ def _set_aside(params: list[nn.Parameter]):
 def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
     """Each parameter's gradient by name, fp64 on the CPU (zeros where none)."""
     zero = torch.zeros((), dtype=torch.float64)
-    return {
-        n: p.grad.detach().double().cpu() if p.grad is not None else zero.expand(p.shape) for n, p in named
+    return {  # a sharded parameter: this rank's shard
+        n: local_grad(p.grad.detach()).double().cpu() if p.grad is not None else zero.expand(local_grad(p).shape)
+        for n, p in named
     }
 
 
@@ -361,19 +365,23 @@ def verify_sample(
     what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
     sample = whole_images(forest, sample_spans(forest))  # a cut never splits an image
-    chosen = [i for i, _ in sample]
     trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
     routes = None
     if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
         routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
+    label, truth_dtype, autocast = _precision(model)
+    low = label not in ("fp32", "fp64")
+    sharded = is_sharded(model)  # FSDP2: every rank runs rank 0's sample in lock step (verify_sharded)
+    if sharded:
+        refuse_low(model, low, gradients)
+        sample, trajectories, routes = broadcast_sample(sample, trajectories, routes)
+    chosen = [i for i, _ in sample]
     images = None
     if getattr(forest, "images", None) is not None:  # each trajectory with its own images
         sub, images = sample_images(model, forest, sample, routes)
     else:
         sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
     predictor, target, _ = _rows(sub)
-    label, truth_dtype, autocast = _precision(model)
-    low = label not in ("fp32", "fp64")
     loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
     sample_run = _sample_run(run, sub)
 
@@ -384,7 +392,10 @@ def verify_sample(
             out = harts_rows(
                 on, sub, predictor, target, loss, dataclasses.replace(sample_run, backend=backend)
             )
-            return out.detach().double().cpu(), (_grads(named) if gradients else None)
+            grads = _grads(named) if gradients else None
+            if grads is not None and sharded:  # the sum of every rank's pass of the same sample
+                grads = {n: g / dist.get_world_size() for n, g in grads.items()}
+            return out.detach().double().cpu(), grads
 
     kernels = KernelCalls()
     with (
@@ -394,7 +405,8 @@ def verify_sample(
         kernels = rec[1] if rec is not None else kernels
     stock = (trajectories, loss, values, temperature)
     stock_values, stock_grads = _stock(model, *stock, autocast, routes, images)
-    truth = model if (autocast or label == "fp64") else _truth_model(model, truth_dtype)
+    copy_of = sharded_truth if sharded else _truth_model
+    truth = model if (autocast or label == "fp64") else copy_of(model, truth_dtype)
     with _set_aside([p for _, p in _trainable(model)]):  # the copy's forward leaves the model's gradients
         true_values, true_grads = _stock(truth, *stock, False, routes, images)
     where = Where(chosen, [t.numel() for t in trajectories])
@@ -409,13 +421,25 @@ def verify_sample(
     else:
         del truth
     kernel = check_kernels(kernels)
-    if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
-        raise_on_kernels(kernel, label, chosen, what)
-        figures.update(kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls)
-    value_error, value_bound, stock_error = check_values(
-        harts_values, stock_values, true_values, label, where, kind, what
-    )
-    ratio = check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what) if gradients else None
+    failed = None
+    try:
+        if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
+            raise_on_kernels(kernel, label, chosen, what)
+            figures.update(kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls)
+        value_error, value_bound, stock_error = check_values(
+            harts_values, stock_values, true_values, label, where, kind, what
+        )
+        reduce = all_reduce_sum if sharded else None  # each rank holds its shards of the gradients
+        ratio = (
+            check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what, reduce)
+            if gradients else None
+        )  # fmt: skip
+    except VerificationError as exc:
+        failed = str(exc)
+        if not sharded:
+            raise
+    if sharded and (failed := agree(failed)) is not None:  # every rank stops, or none
+        raise VerificationError(failed)
     seconds = time.perf_counter() - began
     sample_tokens = int(sub.num_flat_tokens)
     return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
