@@ -37,7 +37,10 @@ def report(family: str) -> dict:
     torch.manual_seed(0)
     model = wrap(tiny_model(family), "fsdp")
     rollouts = batch(model.config.vocab_size)[dist.get_rank() :: dist.get_world_size()]
-    step = lambda **run: harts.rollout_step(model, rollouts, LOSS, run=harts.RunConfig(**{**RUN.__dict__, **run}))  # noqa: E731
+
+    def step(**run):
+        return harts.rollout_step(model, rollouts, LOSS, run=harts.RunConfig(**{**RUN.__dict__, **run}))
+
     began = time.perf_counter()
     plain = step()
     plain_seconds = time.perf_counter() - began

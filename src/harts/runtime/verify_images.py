@@ -28,7 +28,6 @@ from torch import nn
 
 from harts.adapters.vision_language import TextView
 from harts.forest import Forest
-from harts.objectives.rollout import Rollout
 from harts.runtime.image_forest import image_forest
 
 __all__ = ["SampleImages", "whole_images", "sample_images", "trainable", "stock_kwargs"]
@@ -42,6 +41,16 @@ class SampleImages:
 
     pixel_values: Tensor
     image_grid_thw: Tensor
+
+
+@dataclass(frozen=True)
+class _Trajectory:
+    """A sampled trajectory as :func:`harts.image_forest` reads a rollout."""
+
+    tokens: Tensor
+    pixel_values: Tensor | None = None
+    image_grid_thw: Tensor | None = None
+    routed_experts: Tensor | None = None
 
 
 def _feature_rows(forest: Forest, trajectory: int) -> Tensor:
@@ -84,7 +93,7 @@ def sample_images(model: nn.Module, forest: Forest, spans: list[tuple[int, int]]
         extra = {"routed_experts": routes[k]} if routes is not None else {}
         if images.image_grid_thw.numel():
             extra.update(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
-        rollouts.append(Rollout(forest.trajectory(i)[:keep], **extra))
+        rollouts.append(_Trajectory(forest.trajectory(i)[:keep], **extra))
     return image_forest(model, rollouts), own
 
 

@@ -46,9 +46,9 @@ from harts.runtime.backward import forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
-from harts.runtime.model_checks import sharded_step
 from harts.runtime.image_forest import has_images, image_forest
 from harts.runtime.image_inputs import image_features_once
+from harts.runtime.model_checks import sharded_step
 from harts.runtime.result import StepResult, replace_result
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.verify import Verification, entry_point
