@@ -328,10 +328,6 @@ def test_images_without_their_model_are_refused():
     ids_alone = harts.build_forest([r.tokens for r in rollouts])
     with pytest.raises(ValueError, match="trajectory 0, position 6: token 124 is the model's image token"):
         harts.forward(model, ids_alone)
-    with pytest.raises(ValueError, match="verify=True"):
-        harts.rollout_step(
-            model, rollouts, harts.PolicyLossConfig(kind="sft"), run=harts.RunConfig(verify=True)
-        )
     with pytest.raises(ValueError, match="rollouts with images"):
         forest_and_masks(rollouts, True)  # the critic's and reward model's passes
 

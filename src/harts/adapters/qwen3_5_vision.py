@@ -67,6 +67,11 @@ class Qwen3_5VisionLanguage(VisionLanguage):
         )
         return positions[:, 0]
 
+    def stock_inputs(self, config, input_ids, pixel_values, grid_thw) -> dict:
+        mm_token_type_ids = (input_ids == self.image_token_id(config)).to(torch.int)
+        return {"input_ids": input_ids, "pixel_values": pixel_values, "image_grid_thw": grid_thw,
+                "mm_token_type_ids": mm_token_type_ids}  # fmt: skip
+
     def image_features(self, model, pixel_values, grid_thw):
         out = model.model.get_image_features(pixel_values, grid_thw, return_dict=True)
         return torch.cat(out.pooler_output, dim=0)

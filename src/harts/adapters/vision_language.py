@@ -97,6 +97,14 @@ class VisionLanguage:
         """Forward FLOPs of the tower on one image of grid (t, h, w) (the FLOP model's term)."""
         raise NotImplementedError
 
+    def stock_inputs(
+        self, config, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> dict:
+        """The stock forward's keyword arguments for one trajectory ``input_ids`` [1, L] with its
+        images (rows ``pixel_values`` [P, W], grids ``grid_thw`` [n, 3]), as the processor gives
+        them: what ``RunConfig(verify=True)`` runs the whole model on."""
+        return {"input_ids": input_ids, "pixel_values": pixel_values, "image_grid_thw": grid_thw}
+
 
 class TextOnly(VisionLanguage):
     """A multimodal model whose images harts does not run: its language model (``model.model.

@@ -50,6 +50,7 @@ exact gradient part by part (:mod:`harts.steps.router_statistics`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -75,6 +76,7 @@ from harts.runtime.result import StepResult, step_result
 from harts.runtime.sharded import ShardedStep
 from harts.runtime.step_parts import PartObserver, PartRun, RowGrads, StepParts, check_rows
 from harts.runtime.verify import Verification, entry_point, readout_on, verify_sample
+from harts.runtime.verify_sharded import is_sharded
 
 __all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows", "run_schedule", "loss_form",
            "check_rows"]  # fmt: skip
@@ -135,9 +137,9 @@ def loss_form(loss_fn, observer: PartObserver) -> LossForm:
     return LossForm.PER_ROW if getattr(loss_fn, "separable_rows", False) else LossForm.PER_TRAJECTORY
 
 
-#: why ``RunConfig(verify=True)`` is refused on an FSDP2-sharded model
-FSDP_VERIFY = ("RunConfig(verify=True) runs the stock forward of a sample on one rank, which an "
-               "FSDP2-sharded model cannot do alone: verify on one process or under DDP")  # fmt: skip
+#: why ``RunConfig(verify=True)`` is refused on an FSDP2-sharded critic
+FSDP_VERIFY = ("RunConfig(verify=True) on an FSDP2-sharded critic is not supported (the sharded check "
+               "runs a causal LM's log-probs): verify the critic on one process or under DDP")  # fmt: skip
 
 
 def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperature: float, readout,
@@ -146,13 +148,28 @@ def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperatur
     pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
 
     def harts_rows(on, sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
-        return forest_backward(model if on is None else on, sub, predictor, target, loss, run=sample_run,
-                               temperature=temperature,
-                               readout=readout_on(readout, model, on)).logprob  # fmt: skip
+        # an FSDP2 model: harts' own sharded step, in lock step with the other ranks (verify_sharded)
+        with _step_of(model if on is None else on, sample_run) as (module, sharded):
+            return forest_backward(module, sub, predictor, target, loss, run=sample_run,
+                                   temperature=temperature, readout=readout_on(readout, model, on),
+                                   sharded=sharded).logprob  # fmt: skip
 
     return verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout,
                          temperature=temperature, gradients=True, separable=separable,
                          what=what)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _step_of(model: nn.Module, run: RunConfig):
+    """``(module, sharded)``: an FSDP2 model's sharded step (its gradients summed over the ranks on
+    leaving), else the model itself."""
+    if not is_sharded(model):
+        yield model, None
+        return
+    from harts.runtime.distributed import data_parallel_step
+
+    with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp):
+        yield module, dp.sharded
 
 
 def forest_backward(

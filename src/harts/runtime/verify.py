@@ -60,13 +60,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harts.forest import Forest, build_forest
 from harts.ops.backends import resolve_backend
 from harts.runtime.config import RunConfig
+from harts.runtime.distributed import all_reduce_sum
 from harts.runtime.readout import ScalarReadout
-from harts.runtime.routing_replay import replayed_routing
 from harts.runtime.verify_bounds import (
     LOW_PRECISION_FACTOR,
     VerificationError,
@@ -75,7 +76,16 @@ from harts.runtime.verify_bounds import (
     check_values,
     raise_on_kernels,
 )
+from harts.runtime.verify_images import sample_images, whole_images
 from harts.runtime.verify_kernels import KernelCalls, check_kernels, recording
+from harts.runtime.verify_sharded import (
+    agree,
+    broadcast_sample,
+    is_sharded,
+    refuse_low,
+    sharded_truth,
+)
+from harts.runtime.verify_stock import _grads, _RowLoss, _set_aside, _stock, _trainable, _truth_model
 
 __all__ = [
     "VerificationError",
@@ -185,127 +195,12 @@ def sample_spans(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, in
     return sorted((i, min(int(lengths[i]), keep)) for i in shortest[:limit])
 
 
-class _RowLoss:
-    """``sum_r a_r * first_r + b_r * second_r``: a fixed random loss of the rows; with
-    ``separable`` a sum of per-row terms (``subset`` and ``separable_rows``), as the call's is."""
-
-    def __init__(self, a: Tensor, b: Tensor, separable: bool):
-        self.a, self.b = a, b
-        if separable:
-            self.separable_rows = True
-            self.subset = lambda index: _RowLoss(a[index], b[index], True)
-
-    def __call__(self, first: Tensor, second: Tensor) -> Tensor:
-        a, b = self.a.to(first.device, first.dtype), self.b.to(second.device, second.dtype)
-        return (a * first).sum() + (b * second).sum()
-
-
 def _rows(forest: Forest) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Every position ``p >= 1`` of every trajectory: (predictor [R], target [R], token paths)."""
     paths = [forest.trajectory_token_indices(i) for i in range(forest.num_trajectories)]
     predictor = torch.cat([path[:-1] for path in paths])
     target = forest.tokens[torch.cat([path[1:] for path in paths])]
     return predictor, target, paths
-
-
-def _stock_rows(
-    model: nn.Module, ids: Tensor, values: bool, temperature: float, autocast: bool = True
-) -> tuple[Tensor, Tensor]:
-    """The stock forward of one trajectory: (value, entropy) of each position ``p >= 1`` read at
-    ``p - 1`` (log-prob of token ``p`` and the entropy; or the critic's value and zeros)."""
-    if "forward" in model.__dict__ and not autocast:
-        # a wrapper's forward on the instance (accelerate's) may enter autocast itself: the truth
-        # runs the class's own forward, at the precision asked for
-        out = type(model).forward(model, input_ids=ids[None])
-    elif getattr(model, "vision_language", None) is not None:  # a text view: its whole model's forward
-        out = model.multimodal(input_ids=ids[None])
-    else:
-        out = model(input_ids=ids[None])
-    logits = out if isinstance(out, Tensor) else out.logits
-    if values:
-        value = logits[0, :-1, 0].float()
-        return value, torch.zeros_like(value)
-    logp = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(1, ids[1:, None])[:, 0], entropy
-
-
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
-@contextlib.contextmanager
-def _set_aside(params: list[nn.Parameter]):
-    """The gradients ``params`` hold, set aside while the block runs (``.grad`` None) and put back
-    after it, whatever the block left there: the check never changes what the call accumulates."""
-    held = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, before in zip(params, held, strict=True):
-            p.grad = before
-
-
-def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
-    """Each parameter's gradient by name, fp64 on the CPU (zeros where none)."""
-    zero = torch.zeros((), dtype=torch.float64)
-    return {
-        n: p.grad.detach().double().cpu() if p.grad is not None else zero.expand(p.shape) for n, p in named
-    }
-
-
-def _stock(
-    model: nn.Module,
-    trajectories: list[Tensor],
-    loss: _RowLoss | None,
-    values: bool,
-    temperature: float,
-    autocast: bool,
-    routes: list[Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor] | None]:
-    """Stock row values of the sample (fp64, concatenated) and, with ``loss``, the gradients of
-    its loss summed over the trajectories (fp64 by name); ``routes``: each trajectory's recorded
-    MoE routes, replayed in its forward."""
-    device = next(model.parameters()).device
-    named = _trainable(model)
-    out, offset, grads = [], 0, None
-    grad_mode = torch.enable_grad() if loss is not None else torch.no_grad()
-    cast = contextlib.nullcontext() if autocast else torch.autocast(device.type, enabled=False)
-    with _set_aside([p for _, p in named]), grad_mode, cast:
-        for i, ids in enumerate(trajectories):
-            ids = ids.to(device)
-            replay = contextlib.nullcontext() if routes is None else replayed_routing(model, routes[i])
-            with replay:
-                first, second = _stock_rows(model, ids, values, temperature, autocast)
-            rows = first.numel()
-            if loss is not None:
-                _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
-                    first, second
-                ).backward()
-            out.append(first.detach().double().cpu())
-            offset += rows
-        if loss is not None:
-            grads = _grads(named)
-    return torch.cat(out), grads
-
-
-def _truth_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``model`` in ``dtype`` (eager MoE experts where the kernel has no fp64 path)."""
-    truth = copy.deepcopy(model)
-    for module in truth.modules():
-        # a wrapper may have replaced ``forward`` on the instance (accelerate's output casting): the
-        # copy keeps a function bound to the original model, which would run instead of the copy
-        module.__dict__.pop("forward", None)
-    if dtype == torch.float64:  # the outermost transformers model (a ValueHead wraps one)
-        owner = next((m for m in truth.modules() if hasattr(m, "set_experts_implementation")), None)
-        if owner is not None:
-            try:
-                owner.set_experts_implementation("eager")
-            except (ValueError, AttributeError):  # a model without experts
-                pass
-    return truth.to(dtype)
 
 
 def _precision(model: nn.Module) -> tuple[str, torch.dtype, bool]:
@@ -346,14 +241,27 @@ def verify_sample(
     accumulates that loss's gradients into ``.grad``. ``separable``: the call's loss is a sum of
     per-row terms (the sample's loss takes the same form, so the same path runs). ``what``: the
     entry point named in an error, unless the user called another (:func:`entry_point`)."""
-    _refuse_images(model)
     began = time.perf_counter()
     what = _ENTRY.get() or what
     values = isinstance(readout, ScalarReadout)
-    chosen, trajectories, routes, sub = _sample_of(forest)
-    predictor, target, _ = _rows(sub)
+    sample = whole_images(forest, sample_spans(forest))  # a cut never splits an image
+    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
+    routes = None
+    if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
+        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
     label, truth_dtype, autocast = _precision(model)
     low = label not in ("fp32", "fp64")
+    sharded = is_sharded(model)  # FSDP2: every rank runs rank 0's sample in lock step (verify_sharded)
+    if sharded:
+        refuse_low(model, low, gradients)
+        sample, trajectories, routes = broadcast_sample(sample, trajectories, routes)
+    chosen = [i for i, _ in sample]
+    images = None
+    if getattr(forest, "images", None) is not None:  # each trajectory with its own images
+        sub, images = sample_images(model, forest, sample, routes)
+    else:
+        sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
+    predictor, target, _ = _rows(sub)
     loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
     sample_run = _sample_run(run, sub)
 
@@ -364,7 +272,10 @@ def verify_sample(
             out = harts_rows(
                 on, sub, predictor, target, loss, dataclasses.replace(sample_run, backend=backend)
             )
-            return out.detach().double().cpu(), (_grads(named) if gradients else None)
+            grads = _grads(named) if gradients else None
+            if grads is not None and sharded:  # the sum of every rank's pass of the same sample
+                grads = {n: g / dist.get_world_size() for n, g in grads.items()}
+            return out.detach().double().cpu(), grads
 
     kernels = KernelCalls()
     with (
@@ -372,10 +283,12 @@ def verify_sample(
     ):
         harts_values, harts_grads = on_sample(None, rec[0] if rec is not None else run.backend)
         kernels = rec[1] if rec is not None else kernels
-    stock_values, stock_grads = _stock(model, trajectories, loss, values, temperature, autocast, routes)
-    truth = model if (autocast or label == "fp64") else _truth_model(model, truth_dtype)
+    stock = (trajectories, loss, values, temperature)
+    stock_values, stock_grads = _stock(model, *stock, autocast, routes, images)
+    copy_of = sharded_truth if sharded else _truth_model
+    truth = model if (autocast or label == "fp64") else copy_of(model, truth_dtype)
     with _set_aside([p for _, p in _trainable(model)]):  # the copy's forward leaves the model's gradients
-        true_values, true_grads = _stock(truth, trajectories, loss, values, temperature, False, routes)
+        true_values, true_grads = _stock(truth, *stock, False, routes, images)
     where = Where(chosen, [t.numel() for t in trajectories])
     kind = "value" if values else "log-prob"
     figures: dict[str, float] = {}
@@ -383,42 +296,36 @@ def verify_sample(
         with torch.autocast(_device(model).type, enabled=False):
             fp32 = on_sample(None if truth is model else truth, run.backend)
         del truth
-        fp64 = _stock_fp64(model, trajectories, loss, values, temperature, routes)
+        fp64 = _stock_fp64(model, *stock, routes, images)
         figures.update(_algorithm_at_fp32(fp32, (true_values, true_grads), fp64, where, kind, chosen, what))
     else:
         del truth
     kernel = check_kernels(kernels)
-    if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
-        raise_on_kernels(kernel, label, chosen, what)
-        figures.update(kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls)
-    value_error, value_bound, stock_error = check_values(
-        harts_values, stock_values, true_values, label, where, kind, what
-    )
-    ratio = check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what) if gradients else None
+    failed = None
+    try:
+        if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
+            raise_on_kernels(kernel, label, chosen, what)
+            figures.update(
+                kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls
+            )
+        value_error, value_bound, stock_error = check_values(
+            harts_values, stock_values, true_values, label, where, kind, what
+        )
+        reduce = all_reduce_sum if sharded else None  # each rank holds its shards of the gradients
+        ratio = (
+            check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what, reduce)
+            if gradients else None
+        )  # fmt: skip
+    except VerificationError as exc:
+        failed = str(exc)
+        if not sharded:
+            raise
+    if sharded and (failed := agree(failed)) is not None:  # every rank stops, or none
+        raise VerificationError(failed)
     seconds = time.perf_counter() - began
     sample_tokens = int(sub.num_flat_tokens)
     return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
                         seconds, **figures)  # fmt: skip
-
-
-def _sample_of(forest: Forest) -> tuple[list[int], list[Tensor], list[Tensor] | None, Forest]:
-    """The sample (:func:`sample_spans`): its trajectories' indices, their token ids, their recorded
-    MoE routes (replayed in harts and in stock; None without), and its own forest."""
-    sample = sample_spans(forest)
-    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
-    routes = None
-    if forest.routed_experts is not None:
-        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
-    sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
-    return [i for i, _ in sample], trajectories, routes, sub
-
-
-def _refuse_images(model: nn.Module) -> None:
-    if getattr(getattr(model, "vision_language", None), "runs_images", False):
-        raise ValueError(
-            "RunConfig(verify=True) runs the stock forward of a sample of token ids, which cannot carry a "
-            "multimodal model's images: verify its text model, or leave verify off"
-        )
 
 
 def _sample_run(run: RunConfig, sub: Forest) -> RunConfig:
@@ -452,12 +359,12 @@ def _sample_loss(rows: int, values: bool, separable: bool) -> _RowLoss:
     return _RowLoss(a, b, separable)
 
 
-def _stock_fp64(model, trajectories, loss, values, temperature, routes) -> tuple[Tensor, dict | None]:
+def _stock_fp64(model, trajectories, loss, values, temperature, routes, images) -> tuple[Tensor, dict | None]:
     """The stock forward (and backward) of the sample on a copy of ``model`` in fp64, the copy
     dropped after: the truth of the fp32 check of a low-precision call."""
     fp64 = _truth_model(model, torch.float64)
     with _set_aside([p for _, p in _trainable(model)]):
-        out = _stock(fp64, trajectories, loss, values, temperature, False, routes)
+        out = _stock(fp64, trajectories, loss, values, temperature, False, routes, images)
     del fp64
     return out
 

@@ -80,22 +80,34 @@ def truth_name(label: str) -> str:
     return "the stock forward in fp64" if label in ("fp32", "fp64") else "the stock forward in fp32"
 
 
-def check_gradients(harts: dict, stock: dict, truth: dict, label: str, chosen: list[int], what: str) -> float:
-    """The worst parameter's error as a fraction of its bound (raises above 1)."""
-    total = sum(t.numel() for t in truth.values())
-    whole = math.sqrt(sum(float(t.pow(2).sum()) for t in truth.values()))
-    stock_whole = math.sqrt(sum(float((stock[n] - t).pow(2).sum()) for n, t in truth.items()))
-    harts_whole = math.sqrt(sum(float((harts[n] - t).pow(2).sum()) for n, t in truth.items()))
+def check_gradients(
+    harts: dict, stock: dict, truth: dict, label: str, chosen: list[int], what: str, reduce=None
+) -> float:
+    """The worst parameter's error as a fraction of its bound (raises above 1). ``reduce``: sums a
+    tensor over the ranks in place, where each rank holds its shard of every gradient (FSDP2):
+    the figures below are sums of squares over a parameter's elements, so the shards' sums add
+    up to the whole parameter's and every rank reaches the same verdict."""
+    names = list(truth)
+    figures = torch.tensor(
+        [[float(t.numel()), float(t.pow(2).sum()), float((harts[n] - t).pow(2).sum()),
+          float((stock[n] - t).pow(2).sum())] for n, t in truth.items()],
+        dtype=torch.float64,
+    ).reshape(len(names), 4)  # fmt: skip
+    if reduce is not None:
+        reduce(figures)
+    numel, norm2, error2, stock2 = figures.unbind(1)
+    total = float(numel.sum())
+    whole = math.sqrt(float(norm2.sum()))
+    stock_whole = math.sqrt(float(stock2.sum()))
+    harts_whole = math.sqrt(float(error2.sum()))
     low = label not in ("fp32", "fp64")
     worst_ratio, failures = 0.0, []
     if low and harts_whole > max(LOW_PRECISION_FACTOR * stock_whole, GRAD_RTOL * whole):
         bound = max(LOW_PRECISION_FACTOR * stock_whole, GRAD_RTOL * whole) / whole
         failures.append(("the whole gradient", harts_whole / whole, bound))
-    for name, t in truth.items():
-        share = math.sqrt(t.numel() / total)
-        error = float((harts[name] - t).norm())
-        stock_error = float((stock[name] - t).norm())
-        norm = float(t.norm())
+    for k, name in enumerate(names):
+        share = math.sqrt(float(numel[k]) / total)
+        error, stock_error, norm = (math.sqrt(float(x[k])) for x in (error2, stock2, norm2))
         if low:  # never stricter than fp32's bound
             bound = max(
                 LOW_PRECISION_FACTOR * stock_error + stock_whole * share,

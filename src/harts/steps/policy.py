@@ -42,12 +42,13 @@ from harts.objectives.losses import (
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout, validate_rollouts
 from harts.objectives.rows import LossRows, build_loss_rows
-from harts.runtime.backward import FSDP_VERIFY, forest_backward, verify_training
+from harts.runtime.backward import forest_backward, verify_training
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import DataParallel, data_parallel, data_parallel_step, unwrap_data_parallel
 from harts.runtime.executor import model_device, resolve_model
 from harts.runtime.image_forest import has_images, image_forest
 from harts.runtime.image_inputs import image_features_once
+from harts.runtime.model_checks import sharded_step
 from harts.runtime.result import StepResult, replace_result
 from harts.runtime.routers import RouterRecorder
 from harts.runtime.verify import Verification, entry_point
@@ -135,11 +136,16 @@ def forest_step(
     """
     run = RunConfig.resolve(run, budget_tokens)
     config = _with_temperature(config, temperature)
+    sharded_check = None
     if run.verify and (dp := data_parallel(model)) is not None and dp.kind == "fsdp":
-        raise ValueError(FSDP_VERIFY)
+        # every rank checks in lock step, before the sharded step gathers its units (verify_sharded)
+        with entry_point("forest_step"):
+            sharded_check = _verify(_checked_module(model), forest, config, run)
+        run = run.unverified
     with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp), entry_point("forest_step"):
         result, observer, verified = _local_step(module, dp, forest, rows, config, normalizers, run, moe,
                                                  old_logprob)  # fmt: skip
+    verified = verified or sharded_check
     if dp is not None:
         result = _sum_results(result, dp, observer)
     if verified is not None:  # this rank's check's figures, after the sum over ranks
@@ -204,8 +210,14 @@ def verify_step(
     nothing of the step (what ``harts train`` runs on every rank before a verified update, so the
     ranks agree on the verdict before the step's collectives). Raises VerificationError."""
     run = RunConfig.resolve(run)
-    module = resolve_model(unwrap_data_parallel(model))
-    return _verify(module, forest, config, run)
+    return _verify(_checked_module(unwrap_data_parallel(model)), forest, config, run)
+
+
+def _checked_module(model: nn.Module) -> nn.Module:
+    """The causal LM the check runs; an FSDP2 model as it is (the check runs its own forward and
+    harts' sharded step on it, every rank in lock step: :mod:`harts.runtime.verify_sharded`)."""
+    with sharded_step(model):
+        return resolve_model(model)
 
 
 def _verify(model: nn.Module, forest: Forest, config: PolicyLossConfig, run: RunConfig) -> Verification:

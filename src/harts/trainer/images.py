@@ -9,7 +9,9 @@ A model that cannot take images is refused before it loads, naming ``[model]``.
 Sections whose passes have not been checked exact with images are refused, naming the section,
 rather than run approximately or with the images dropped: a reference, a critic, LoRA adapters,
 PPO's old log-probs, an eval or samples file, and several processes (torchrun).
-``run.verify`` is skipped, saying so: its check runs the stock forward on token ids only.
+``run.verify`` checks the update with its images: the sample's stock forward takes each
+trajectory's screenshots, and the vision tower's gradients are compared with the rest
+(:mod:`harts.runtime.verify_images`).
 """
 
 from __future__ import annotations

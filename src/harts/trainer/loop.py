@@ -153,16 +153,6 @@ class _Train(Run):
         self.evaluation = Evaluation(config, model_vocab_size(config.model)) if config.eval else None
         self.samples = Samples(config, model_vocab_size(config.model)) if config.samples else None
         self.verifying = config.run.verify != "never"
-        if self.verifying and self.ranks is not None and self.ranks.strategy == "fsdp":
-            self.verifying = False  # the stock forward of a sample cannot run on one rank of a sharded model
-            self.say("run.verify: not under FSDP2 (a rank cannot run the stock forward of its sample alone "
-                     "on a sharded model); verify with strategy = \"ddp\" or on one process")  # fmt: skip
-        if self.verifying and self.data_check.images is not None:
-            self.verifying = False  # the check's stock forward reads token ids only
-            self.say(
-                "run.verify: not on rollouts with images (the check's stock forward reads token ids "
-                "only); the multimodal step's exactness is tested against the stock forward with images"
-            )
         return start, state
 
     def _make_model(self, start: Checkpoint | None, state: dict | None) -> None:

@@ -1,0 +1,80 @@
+"""``RunConfig(verify=True)`` on two FSDP2 ranks (run by tests/test_verify_sharded.py under torchrun).
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/verify_worker.py FAMILY OUT
+
+Each rank: its share of a step on the sharded tiny model, unverified, then verified (the same
+bits must come out), then verified under a tree-attention kernel off by 1e-3 in its query's
+gradient (a VerificationError on every rank, no gradient left). Rank 0 saves every rank's report.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import harts
+from harts.ops.backends import register_backend
+from harts.runtime.distributed import close_process_group
+from harts.tiny import tiny_model
+from tests.distributed_worker import LOSS, batch, wrap
+from tests.test_verify import FAULT, _attention_off
+
+register_backend("test-attention-off-in-backward", _attention_off(1.0, 1 + FAULT, False))
+RUN = harts.RunConfig(budget_tokens=48)
+
+
+def _local_grads(model) -> dict:
+    out = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def report(family: str) -> dict:
+    torch.manual_seed(0)
+    model = wrap(tiny_model(family), "fsdp")
+    rollouts = batch(model.config.vocab_size)[dist.get_rank() :: dist.get_world_size()]
+
+    def step(**run):
+        return harts.rollout_step(model, rollouts, LOSS, run=harts.RunConfig(**{**RUN.__dict__, **run}))
+
+    began = time.perf_counter()
+    plain = step()
+    plain_seconds = time.perf_counter() - began
+    want = _local_grads(model)
+    began = time.perf_counter()
+    checked = step(verify=True)
+    checked_seconds = time.perf_counter() - began
+    got = _local_grads(model)
+    same = torch.equal(plain.loss, checked.loss) and want.keys() == got.keys()
+    same = same and all(torch.equal(want[n], got[n]) for n in want)
+    figures = {k: float(v) for k, v in checked.metrics.items() if k.startswith("verify_")}
+    try:
+        step(verify=True, backend="test-attention-off-in-backward")
+        caught = None
+    except harts.VerificationError as exc:
+        caught = str(exc)
+    untouched = all(p.grad is None for p in model.parameters())
+    return {"same_bits": same, "figures": figures, "caught": caught, "untouched": untouched,
+            "plain_seconds": plain_seconds, "checked_seconds": checked_seconds}  # fmt: skip
+
+
+def main() -> None:
+    family, out = sys.argv[1:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, report(family))
+        if dist.get_rank() == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        close_process_group(wait=False)
+
+
+if __name__ == "__main__":
+    main()
