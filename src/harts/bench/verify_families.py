@@ -98,8 +98,9 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         if r["status"] == "passed":
+            stock = r["stock_logprob_error"]  # None: not run, harts met an exact stock's bounds
             figures = (
-                f"{r['logprob_error']:.2g} ({r['stock_logprob_error']:.2g}) | "
+                f"{r['logprob_error']:.2g} ({'not run' if stock is None else f'{stock:.2g}'}) | "
                 f"{r['logprob_bound']:.2g} | {r['gradient_ratio']:.2g}"
             )
         else:

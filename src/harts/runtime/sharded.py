@@ -399,8 +399,10 @@ def _start_reduce_scatter(grads: list[Tensor], sharded: list) -> Callable[[], li
             local_rows = s.to_local().shape[dim]
             local = piece.view(shape).narrow(dim, 0, local_rows)
             if tuple(local.shape) != tuple(s.to_local().shape):
-                raise ValueError(f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} "
-                                 f"for a parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})")
+                raise ValueError(
+                    f"unexpected FSDP2 shard shape {tuple(s.to_local().shape)} on rank {rank} "
+                    f"for a parameter of shape {tuple(s.shape)} (expected {tuple(local.shape)})"
+                )
             out.append(local.clone())
         return out
 

@@ -54,16 +54,16 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harts.forest import Forest, build_forest
+from harts.forest import Forest
 from harts.ops.backends import resolve_backend
 from harts.runtime.config import RunConfig
 from harts.runtime.distributed import all_reduce_sum
@@ -76,16 +76,23 @@ from harts.runtime.verify_bounds import (
     check_values,
     raise_on_kernels,
 )
-from harts.runtime.verify_images import sample_images, whole_images
 from harts.runtime.verify_kernels import KernelCalls, check_kernels, recording
+from harts.runtime.verify_sample import (
+    Sample,
+    sample_spans,
+    sample_trajectories,
+)
 from harts.runtime.verify_sharded import (
     agree,
-    broadcast_sample,
-    is_sharded,
-    refuse_low,
     sharded_truth,
 )
-from harts.runtime.verify_stock import _grads, _RowLoss, _set_aside, _stock, _trainable, _truth_model
+from harts.runtime.verify_stock import (
+    RowLoss,
+    grads_by_name,
+    set_aside,
+    trainable,
+    truth_model,
+)
 
 __all__ = [
     "VerificationError",
@@ -100,10 +107,7 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-SAMPLE_SIZE = 2  # the fewest that share a prefix: the check's cost is their stock passes
-MAX_PREFIX = 256  # the branch sampled shares at most this many tokens, when the forest has such a branch
-TAIL = 32  # tokens kept of each sampled trajectory past its branch
-_SEED = 20260
+
 #: the public function the user called, which an error names (the outermost :func:`entry_point`)
 _ENTRY: contextvars.ContextVar[str | None] = contextvars.ContextVar("harts_verify_entry", default=None)
 
@@ -137,7 +141,7 @@ class Verification:
     tokens: int
     precision: str
     value_error: float
-    stock_value_error: float
+    stock_value_error: float | None  # None: not measured (fp32: harts met the bounds of an exact stock)
     value_bound: float
     gradient_ratio: float | None
     seconds: float
@@ -150,9 +154,18 @@ class Verification:
 
     def metrics(self) -> dict[str, Tensor]:
         """The figures as a result's metrics (0-dim fp64 tensors, names ``verify_*``), those measured."""
-        names = ("value_error", "stock_value_error", "value_bound", "gradient_ratio", "seconds",
-                 "algorithm_value_error", "algorithm_value_bound", "algorithm_gradient_ratio",
-                 "kernel_ratio", "kernel_error_u")  # fmt: skip
+        names = (
+            "value_error",
+            "stock_value_error",
+            "value_bound",
+            "gradient_ratio",
+            "seconds",
+            "algorithm_value_error",
+            "algorithm_value_bound",
+            "algorithm_gradient_ratio",
+            "kernel_ratio",
+            "kernel_error_u",
+        )
         figures = {n: getattr(self, n) for n in names}
         return {
             f"verify_{n}": torch.tensor(float(v), dtype=torch.float64)
@@ -161,69 +174,12 @@ class Verification:
         }
 
 
-def sample_trajectories(forest: Forest, limit: int = SAMPLE_SIZE) -> list[int]:
-    """The sample's trajectories (in the call's order): at the branch node (a node several
-    trajectories share, where they part) whose end is deepest within ``MAX_PREFIX`` tokens (else
-    the shallowest), the shortest trajectory of each of the ``limit`` groups that part there (a
-    child's subtree, or those ending at the node) with the shortest members. A forest without a
-    branch gives its first trajectory."""
-    return [i for i, _ in sample_spans(forest, limit)]
-
-
-def sample_spans(forest: Forest, limit: int = SAMPLE_SIZE) -> list[tuple[int, int]]:
-    """(trajectory, tokens kept) of the sample (:func:`sample_trajectories`): each truncated
-    ``TAIL`` tokens past the branch."""
-    parent = forest.node_parent.numpy()
-    end_node = forest.trajectory_end_node.numpy()
-    subtree_end = forest.node_subtree_end.numpy()
-    lengths = forest.trajectory_length.numpy()
-    children: dict[int, list[int]] = {}
-    for node, p in enumerate(parent.tolist()):
-        if p >= 0:
-            children.setdefault(p, []).append(node)
-    ends_here = np.bincount(end_node, minlength=forest.num_nodes)
-    branch = [m for m in range(forest.num_nodes) if len(children.get(m, ())) + (ends_here[m] > 0) >= 2]
-    if not branch:
-        return [(0, int(lengths[0]))]
-    path_end = forest.node_path_start.numpy() + forest.node_length.numpy()
-    within = [m for m in branch if path_end[m] <= MAX_PREFIX]
-    node = max(within, key=lambda m: path_end[m]) if within else min(branch, key=lambda m: path_end[m])
-    groups = [np.flatnonzero(end_node == node)] if ends_here[node] else []
-    groups += [np.flatnonzero((end_node >= c) & (end_node < subtree_end[c])) for c in children.get(node, ())]
-    shortest = sorted((int(g[np.argmin(lengths[g])]) for g in groups if g.size), key=lambda i: lengths[i])
-    keep = int(path_end[node]) + TAIL
-    return sorted((i, min(int(lengths[i]), keep)) for i in shortest[:limit])
-
-
-def _rows(forest: Forest) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """Every position ``p >= 1`` of every trajectory: (predictor [R], target [R], token paths)."""
-    paths = [forest.trajectory_token_indices(i) for i in range(forest.num_trajectories)]
-    predictor = torch.cat([path[:-1] for path in paths])
-    target = forest.tokens[torch.cat([path[1:] for path in paths])]
-    return predictor, target, paths
-
-
-def _precision(model: nn.Module) -> tuple[str, torch.dtype, bool]:
-    """(label, the truth's dtype, whether the call runs under autocast)."""
-    device = next(model.parameters()).device
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-    if autocast:
-        low = torch.get_autocast_dtype(device.type)
-        return f"{str(low).removeprefix('torch.')} autocast", torch.float32, True
-    if dtype == torch.float32:
-        return "fp32", torch.float64, False
-    if dtype == torch.float64:
-        return "fp64", torch.float64, False
-    return f"{str(dtype).removeprefix('torch.')} parameters", torch.float32, False
-
-
 def verify_sample(
     model: nn.Module,
     forest: Forest,
     *,
     run: RunConfig,
-    harts_rows: Callable[[nn.Module | None, Forest, Tensor, Tensor, _RowLoss | None, RunConfig], Tensor],
+    harts_rows: Callable[[nn.Module | None, Forest, Tensor, Tensor, RowLoss | None, RunConfig], Tensor],
     readout=None,
     temperature: float = 1.0,
     gradients: bool = True,
@@ -243,98 +199,103 @@ def verify_sample(
     entry point named in an error, unless the user called another (:func:`entry_point`)."""
     began = time.perf_counter()
     what = _ENTRY.get() or what
-    values = isinstance(readout, ScalarReadout)
-    sample = whole_images(forest, sample_spans(forest))  # a cut never splits an image
-    trajectories = [forest.trajectory(i)[:keep] for i, keep in sample]
-    routes = None
-    if forest.routed_experts is not None:  # the sample replays its recorded routes, in harts and in stock
-        routes = [forest.routed_experts[forest.trajectory_token_indices(i)[:keep]] for i, keep in sample]
-    label, truth_dtype, autocast = _precision(model)
-    low = label not in ("fp32", "fp64")
-    sharded = is_sharded(model)  # FSDP2: every rank runs rank 0's sample in lock step (verify_sharded)
-    if sharded:
-        refuse_low(model, low, gradients)
-        sample, trajectories, routes = broadcast_sample(sample, trajectories, routes)
-    chosen = [i for i, _ in sample]
-    images = None
-    if getattr(forest, "images", None) is not None:  # each trajectory with its own images
-        sub, images = sample_images(model, forest, sample, routes)
-    else:
-        sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
-    predictor, target, _ = _rows(sub)
-    loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
-    sample_run = _sample_run(run, sub)
+    sample = Sample.of(
+        model, forest, run, isinstance(readout, ScalarReadout), temperature, gradients, separable
+    )
 
     def on_sample(on: nn.Module | None, backend: str) -> tuple[Tensor, dict | None]:
         """harts on the sample (on ``on``, or the call's model), its gradients set aside."""
-        named = _trainable(model if on is None else on)
-        with _set_aside([p for _, p in named]):
+        named = trainable(model if on is None else on)
+        with set_aside([p for _, p in named]):
             out = harts_rows(
-                on, sub, predictor, target, loss, dataclasses.replace(sample_run, backend=backend)
+                on,
+                sample.sub,
+                sample.predictor,
+                sample.target,
+                sample.loss,
+                dataclasses.replace(sample.run, backend=backend),
             )
-            grads = _grads(named) if gradients else None
-            if grads is not None and sharded:  # the sum of every rank's pass of the same sample
+            grads = grads_by_name(named) if gradients else None
+            if grads is not None and sample.sharded:  # the sum of every rank's pass of the same sample
                 grads = {n: g / dist.get_world_size() for n, g in grads.items()}
             return out.detach().double().cpu(), grads
 
     kernels = KernelCalls()
-    with (
-        recording(resolve_backend(run.backend, _device(model))[0]) if low else contextlib.nullcontext() as rec
-    ):
-        harts_values, harts_grads = on_sample(None, rec[0] if rec is not None else run.backend)
+    recorder = recording(resolve_backend(run.backend, _device(model))[0]) if sample.low else None
+    with recorder if recorder is not None else contextlib.nullcontext() as rec:
+        harts_values = on_sample(None, rec[0] if rec is not None else run.backend)
         kernels = rec[1] if rec is not None else kernels
-    stock = (trajectories, loss, values, temperature)
-    stock_values, stock_grads = _stock(model, *stock, autocast, routes, images)
-    copy_of = sharded_truth if sharded else _truth_model
-    truth = model if (autocast or label == "fp64") else copy_of(model, truth_dtype)
-    with _set_aside([p for _, p in _trainable(model)]):  # the copy's forward leaves the model's gradients
-        true_values, true_grads = _stock(truth, *stock, False, routes, images)
-    where = Where(chosen, [t.numel() for t in trajectories])
-    kind = "value" if values else "log-prob"
+    # fp32 on one process: stock at the call's precision only where its error sets a bound
+    at_call = functools.partial(sample.stock, model, sample.autocast)
+    at_call_values = at_call if not (sample.low or sample.sharded) else at_call()
+    copy_of = sharded_truth if sample.sharded else truth_model
+    truth = model if (sample.autocast or sample.label == "fp64") else copy_of(model, sample.truth_dtype)
+    with set_aside([p for _, p in trainable(model)]):  # the copy's forward leaves the model's gradients
+        true_values = sample.stock(truth, False)
     figures: dict[str, float] = {}
-    if low:  # (a) harts' algorithm at fp32, on the truth, against the stock forward in fp64
+    if sample.low:  # (a) harts' algorithm at fp32, on the truth, against the stock forward in fp64
         with torch.autocast(_device(model).type, enabled=False):
             fp32 = on_sample(None if truth is model else truth, run.backend)
         del truth
-        fp64 = _stock_fp64(model, *stock, routes, images)
-        figures.update(_algorithm_at_fp32(fp32, (true_values, true_grads), fp64, where, kind, chosen, what))
+        fp64 = _stock_fp64(model, sample)
+        figures.update(
+            _algorithm_at_fp32(fp32, true_values, fp64, sample.where, sample.kind, sample.chosen, what)
+        )
     else:
         del truth
+    outcome = _verdict(sample, harts_values, true_values, at_call_values, kernels, what, figures)
+    seconds = time.perf_counter() - began
+    return Verification(
+        tuple(sample.chosen), int(sample.sub.num_flat_tokens), sample.label, *outcome, seconds, **figures
+    )
+
+
+def _verdict(sample: Sample, harts, truth, at_call, kernels: KernelCalls, what: str, figures: dict):
+    """(value error, stock's value error or None, value bound, gradient ratio or None): the kernels'
+    check (low precision, into ``figures``) and the comparison against the truth; on FSDP2 ranks
+    the verdict agreed, so every rank stops or none."""
     kernel = check_kernels(kernels)
-    failed = None
+    failed, outcome = None, None
     try:
         if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
-            raise_on_kernels(kernel, label, chosen, what)
+            raise_on_kernels(kernel, sample.label, sample.chosen, what)
             figures.update(
                 kernel_ratio=kernel.ratio, kernel_error_u=kernel.relative_u, kernel_calls=kernel.calls
             )
-        value_error, value_bound, stock_error = check_values(
-            harts_values, stock_values, true_values, label, where, kind, what
+        reduce = all_reduce_sum if sample.sharded else None  # each rank holds its shards of the gradients
+        about = (sample.chosen, what, reduce)
+        error, bound, stock_error, ratio = _against_truth(
+            harts, truth, at_call, sample.label, sample.where, sample.kind, about
         )
-        reduce = all_reduce_sum if sharded else None  # each rank holds its shards of the gradients
-        ratio = (
-            check_gradients(harts_grads, stock_grads, true_grads, label, chosen, what, reduce)
-            if gradients else None
-        )  # fmt: skip
+        outcome = (error, stock_error, bound, ratio)
     except VerificationError as exc:
         failed = str(exc)
-        if not sharded:
+        if not sample.sharded:
             raise
-    if sharded and (failed := agree(failed)) is not None:  # every rank stops, or none
+    if sample.sharded and (failed := agree(failed)) is not None:  # every rank stops, or none
         raise VerificationError(failed)
-    seconds = time.perf_counter() - began
-    sample_tokens = int(sub.num_flat_tokens)
-    return Verification(tuple(chosen), sample_tokens, label, value_error, stock_error, value_bound, ratio,
-                        seconds, **figures)  # fmt: skip
+    return outcome
 
 
-def _sample_run(run: RunConfig, sub: Forest) -> RunConfig:
-    """The call's settings, unverified, with its budget capped at half the sample's unique tokens
-    when it has one (a cut and a hand-over run on the sample)."""
-    budget = run.budget_tokens
-    if budget is not None:
-        budget = max(1, min(budget, sub.num_tokens // 2))
-    return dataclasses.replace(run.unverified, budget_tokens=budget)
+def _against_truth(harts, truth, stock, label: str, where: Where, kind: str, about: tuple):
+    """(value error, value bound, stock's value error or None, gradient ratio or None) of harts'
+    ``(values, gradients)`` against the truth's; ``about``: (the sample's trajectories, the entry
+    point, the gradient figures' reduction). ``stock``: the stock forward's at the call's precision,
+    or (fp32) the function that runs it, called only when harts misses the bounds an exact stock
+    sets: each fp32 bound grows with stock's error, so passing those passes the real ones, and
+    the verdict is the one the stock pass would give, with one stock pass instead of two."""
+    chosen, what, reduce = about
+    if callable(stock):
+        try:
+            error, bound, _, ratio = _against_truth(harts, truth, truth, label, where, kind, about)
+            return error, bound, None, ratio
+        except VerificationError:
+            stock = stock()
+    error, bound, stock_error = check_values(harts[0], stock[0], truth[0], label, where, kind, what)
+    ratio = None
+    if harts[1] is not None:
+        ratio = check_gradients(harts[1], stock[1], truth[1], label, chosen, what, reduce)
+    return error, bound, stock_error, ratio
 
 
 def _algorithm_at_fp32(fp32, stock, fp64, where: Where, kind: str, chosen: list[int], what: str) -> dict:
@@ -350,21 +311,12 @@ def _algorithm_at_fp32(fp32, stock, fp64, where: Where, kind: str, chosen: list[
     return figures
 
 
-def _sample_loss(rows: int, values: bool, separable: bool) -> _RowLoss:
-    """The sample's fixed random loss of its ``rows`` (no entropy term for a critic's values)."""
-    gen = torch.Generator().manual_seed(_SEED)
-    scale = 1.0 / max(rows, 1)
-    a = torch.randn(rows, generator=gen, dtype=torch.float64) * scale
-    b = torch.randn(rows, generator=gen, dtype=torch.float64) * (0.0 if values else scale)
-    return _RowLoss(a, b, separable)
-
-
-def _stock_fp64(model, trajectories, loss, values, temperature, routes, images) -> tuple[Tensor, dict | None]:
+def _stock_fp64(model, sample: Sample) -> tuple[Tensor, dict | None]:
     """The stock forward (and backward) of the sample on a copy of ``model`` in fp64, the copy
     dropped after: the truth of the fp32 check of a low-precision call."""
-    fp64 = _truth_model(model, torch.float64)
-    with _set_aside([p for _, p in _trainable(model)]):
-        out = _stock(fp64, trajectories, loss, values, temperature, False, routes, images)
+    fp64 = truth_model(model, torch.float64)
+    with set_aside([p for _, p in trainable(model)]):
+        out = sample.stock(fp64, False)
     del fp64
     return out
 

@@ -51,18 +51,27 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def refuse_low(model: nn.Module, low: bool, gradients: bool) -> None:
-    """ValueError where the check would need what it does not build under FSDP2 (module docstring)."""
+def low_precision_refusal(model: nn.Module, low: bool = False) -> str | None:
+    """Why the check cannot run on this FSDP2-sharded model (low precision: ``low``, parameters
+    below fp32, or a MixedPrecisionPolicy that computes below them), or None."""
     from torch.distributed.fsdp import FSDPModule
 
     policies = [m._get_fsdp_state()._mp_policy for m in model.modules() if isinstance(m, FSDPModule)]
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     mixed = any(p.param_dtype not in (None, dtype) for p in policies)
-    if low or mixed:
-        raise ValueError(
-            "RunConfig(verify=True) on an FSDP2-sharded model checks fp32 parameters without a lower "
+    if low or mixed or dtype not in (torch.float32, torch.float64):
+        return (
+            "on an FSDP2-sharded model the check runs fp32 parameters without a lower "
             "MixedPrecisionPolicy param_dtype or autocast: verify in fp32, or under DDP / on one process"
         )
+    return None
+
+
+def refuse_low(model: nn.Module, low: bool, gradients: bool) -> None:
+    """ValueError where the check would need what it does not build under FSDP2 (module docstring)."""
+    reason = low_precision_refusal(model, low)
+    if reason is not None:
+        raise ValueError(f"RunConfig(verify=True): {reason}")
     if not gradients:
         raise ValueError(
             "RunConfig(verify=True) of a forward-only pass on an FSDP2-sharded model is not supported: "

@@ -15,12 +15,12 @@ from harts.runtime.routing_replay import replayed_routing
 from harts.runtime.verify_images import SampleImages, stock_kwargs, trainable
 from harts.runtime.verify_sharded import local_grad
 
-__all__ = ["_RowLoss", "_stock", "_set_aside", "_grads", "_truth_model", "_trainable"]
+__all__ = ["RowLoss", "stock_rows_of_sample", "set_aside", "grads_by_name", "truth_model", "trainable"]
 
 Tensor = torch.Tensor
 
 
-class _RowLoss:
+class RowLoss:
     """``sum_r a_r * first_r + b_r * second_r``: a fixed random loss of the rows; with
     ``separable`` a sum of per-row terms (``subset`` and ``separable_rows``), as the call's is."""
 
@@ -28,7 +28,7 @@ class _RowLoss:
         self.a, self.b = a, b
         if separable:
             self.separable_rows = True
-            self.subset = lambda index: _RowLoss(a[index], b[index], True)
+            self.subset = lambda index: RowLoss(a[index], b[index], True)
 
     def __call__(self, first: Tensor, second: Tensor) -> Tensor:
         a, b = self.a.to(first.device, first.dtype), self.b.to(second.device, second.dtype)
@@ -64,11 +64,11 @@ def _stock_rows(
     return logp.gather(1, ids[1:, None])[:, 0], entropy
 
 
-_trainable = trainable
+trainable = trainable
 
 
 @contextlib.contextmanager
-def _set_aside(params: list[nn.Parameter]):
+def set_aside(params: list[nn.Parameter]):
     """The gradients ``params`` hold, set aside while the block runs (``.grad`` None) and put back
     after it, whatever the block left there: the check never changes what the call accumulates."""
     held = [p.grad for p in params]
@@ -81,7 +81,7 @@ def _set_aside(params: list[nn.Parameter]):
             p.grad = before
 
 
-def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
+def grads_by_name(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
     """Each parameter's gradient by name, fp64 on the CPU (zeros where none)."""
     zero = torch.zeros((), dtype=torch.float64)
     return {  # a sharded parameter: this rank's shard
@@ -92,10 +92,10 @@ def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
     }
 
 
-def _stock(
+def stock_rows_of_sample(
     model: nn.Module,
     trajectories: list[Tensor],
-    loss: _RowLoss | None,
+    loss: RowLoss | None,
     values: bool,
     temperature: float,
     autocast: bool,
@@ -106,11 +106,11 @@ def _stock(
     its loss summed over the trajectories (fp64 by name); ``routes``: each trajectory's recorded
     MoE routes, replayed in its forward; ``images``: each trajectory's images."""
     device = next(model.parameters()).device
-    named = _trainable(model)
+    named = trainable(model)
     out, offset, grads = [], 0, None
     grad_mode = torch.enable_grad() if loss is not None else torch.no_grad()
     cast = contextlib.nullcontext() if autocast else torch.autocast(device.type, enabled=False)
-    with _set_aside([p for _, p in named]), grad_mode, cast:
+    with set_aside([p for _, p in named]), grad_mode, cast:
         for i, ids in enumerate(trajectories):
             ids = ids.to(device)
             replay = contextlib.nullcontext() if routes is None else replayed_routing(model, routes[i])
@@ -119,17 +119,17 @@ def _stock(
                 first, second = _stock_rows(model, ids, values, temperature, autocast, own)
             rows = first.numel()
             if loss is not None:
-                _RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
+                RowLoss(loss.a[offset : offset + rows], loss.b[offset : offset + rows], False)(
                     first, second
                 ).backward()
             out.append(first.detach().double().cpu())
             offset += rows
         if loss is not None:
-            grads = _grads(named)
+            grads = grads_by_name(named)
     return torch.cat(out), grads
 
 
-def _truth_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def truth_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` in ``dtype`` (eager MoE experts where the kernel has no fp64 path)."""
     truth = copy.deepcopy(model)
     whole = getattr(truth, "multimodal", truth)  # a text view's whole model, its vision tower too

@@ -60,7 +60,7 @@ from harts.runtime.critic import forward_values
 from harts.steps.policy import step_inputs
 from harts.steps.value import value_step
 from harts.trainer.config import ModelConfig, ObjectiveConfig, OptimizerConfig, TrainConfig
-from harts.trainer.inputs import load_model, own_memory, quiet_transformers
+from harts.trainer.inputs import load_model, loading_options, own_memory, quiet_transformers
 from harts.trainer.optim import build_optimizers
 from harts.trainer.processes import Ranks, full_model_state, load_state, plain_class, save_state, wrap_model
 from harts.trainer.rank_passes import over_ranks, rank_share
@@ -129,9 +129,9 @@ def _from_causal_lm(path: Path, config, dtype: torch.dtype, seed: int) -> nn.Mod
     if _token_classifier_exists(config):  # stock: the backbone loaded, the score head initialised
         torch.manual_seed(seed)
         return AutoModelForTokenClassification.from_pretrained(
-            path, config=_as_critic_config(config), dtype=dtype, local_files_only=True, **_extra(dtype)
+            path, config=_as_critic_config(config), dtype=dtype, **loading_options(dtype)
         )
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **_extra(dtype))
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **loading_options(dtype))
     return fresh_head(lm, dtype, seed)
 
 
@@ -155,7 +155,7 @@ def _from_directory(path: Path, dtype: torch.dtype, seed: int) -> nn.Module:
             raise ValueError(f"critic.model: {path}: {architecture} with num_labels = {config.num_labels}; a "
                              f"critic reads one value per position (num_labels = 1)")  # fmt: skip
         return AutoModelForTokenClassification.from_pretrained(
-            path, config=_as_critic_config(config), dtype=dtype, local_files_only=True, **_extra(dtype)
+            path, config=_as_critic_config(config), dtype=dtype, **loading_options(dtype)
         )
     if architecture.endswith("ForCausalLM"):
         return _from_causal_lm(path, config, dtype, seed)

@@ -39,6 +39,7 @@ from harts.trainer.routes_check import RoutesSeen
 __all__ = [
     "Position",
     "load_model",
+    "loading_options",
     "own_memory",
     "rollout_steps",
     "count_steps",
@@ -142,6 +143,15 @@ def causal_lm_loader(source):
     return getattr(transformers, adapter.auto_class if adapter is not None else "AutoModelForCausalLM")
 
 
+def loading_options(dtype: torch.dtype) -> dict:
+    """What ``from_pretrained`` takes to load a checkpoint as harts runs it: from the local files
+    only; without the hub kernels transformers 5.25 swaps in by default (harts chooses its kernels
+    through ``[run] backend``, and the stock forward it is held to is the modules' own); and eager
+    MoE experts in fp64 (grouped_mm, the default experts kernel, has no fp64 path)."""
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return {"local_files_only": True, "use_kernels": False, **extra}
+
+
 def load_model(
     config: ModelConfig, seed: int, checkpoint: Path | None = None, images: bool = False
 ) -> torch.nn.Module:
@@ -151,13 +161,11 @@ def load_model(
     from transformers import AutoModelForImageTextToText
 
     dtype = getattr(torch, config.dtype)
-    # grouped_mm (the default experts kernel) has no fp64 path (as in harts.tiny.tiny_model)
-    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     with quiet_transformers():
         source = checkpoint if checkpoint is not None else config.path
         if source is not None:
             loader = AutoModelForImageTextToText if images else causal_lm_loader(source)
-            model = loader.from_pretrained(source, dtype=dtype, local_files_only=True, **extra)
+            model = loader.from_pretrained(source, dtype=dtype, **loading_options(dtype))
         else:
             build = tiny_vision_language_model if images else tiny_model
             model = build(config.tiny, seed=seed if config.seed is None else config.seed, dtype=dtype)

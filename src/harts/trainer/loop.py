@@ -42,6 +42,7 @@ from harts.objectives.rollout import Rollout
 from harts.runtime.backward import StepResult
 from harts.runtime.routers import find_routers
 from harts.runtime.verify import Verification
+from harts.runtime.verify_sharded import low_precision_refusal
 from harts.steps.router_statistics import resolve_aux_coef
 from harts.trainer.checkpoint import Checkpoint, list_checkpoints
 from harts.trainer.config import ObjectiveConfig, TrainConfig
@@ -199,6 +200,10 @@ class _Train(Run):
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
+            reason = low_precision_refusal(self.model) if self.ranks.strategy == "fsdp" else None
+            if self.verifying and reason is not None:  # the sharded check runs in fp32 only
+                self.verifying = False
+                self.say(f"run.verify: not here: {reason}")
         return frozen
 
     def _make_critic(self, start: Checkpoint | None) -> None:
