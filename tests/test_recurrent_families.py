@@ -65,6 +65,8 @@ def test_minimax_refuses(override, message):
         ("granitemoehybrid", "model", "embedding_multiplier"),
         ("falcon_h1", "model.layers.0.mamba", "mup_vector"),
         ("falcon_h1", "model.layers.0.self_attn", "key_multiplier"),
+        ("mamba2", "backbone.layers.0.mixer", "dt_bias"),
+        ("mamba2", "backbone", "norm_f"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -126,8 +128,10 @@ def test_falcon_h1_norm_before_gate():
     _exact_and_live(tiny_model("falcon_h1", mamba_norm_before_gate=True), tiny_model("falcon_h1"))
 
 
-@pytest.mark.parametrize(("family", "option"), [("granitemoehybrid", "logits_scaling=2.0"),
-                                                ("falcon_h1", "lm_head_multiplier=0.5")])
+@pytest.mark.parametrize(
+    ("family", "option"),
+    [("granitemoehybrid", "logits_scaling=2.0"), ("falcon_h1", "lm_head_multiplier=0.5")],
+)
 def test_head_factor_with_a_biased_head_is_refused(family, option):
     """The logits factor is folded into the head's input, exact only for a head without bias."""
     model = tiny_model(family)
