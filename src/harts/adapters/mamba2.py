@@ -45,12 +45,15 @@ class Mamba2Adapter(FamilyAdapter):
         # the causal LM's ``backbone``; a value head built on it (harts.ValueHead) holds it as ``model``
         return model.backbone if hasattr(model, "backbone") else model.model
 
+    mixer_attributes = MAMBA2_MIXER  # what the mixer function reads from each layer's ``mixer``
+
     def check_model(self, model):
+        family = self.model_types[0]
         backbone = self.backbone(model)
-        require("mamba2", backbone, "embeddings", "layers", "norm_f")
+        require(family, backbone, "embeddings", "layers", "norm_f")
         for layer in backbone.layers[: model.config.num_hidden_layers]:
-            require("mamba2", layer, "norm", "mixer", "residual_in_fp32")
-            require("mamba2", layer.mixer, *MAMBA2_MIXER)
+            require(family, layer, "norm", "mixer", "residual_in_fp32")
+            require(family, layer.mixer, *self.mixer_attributes)
 
     def embedding(self, backbone):
         return backbone.embeddings
