@@ -35,6 +35,10 @@ class MambaAdapter(Mamba2Adapter):
     model_types = ("mamba",)
     mixers = {"linear_attention": ("mixer", partial(jamba_mamba, norms=None))}
     mixer_attributes = MAMBA_MIXER
+    inexact_cache = (
+        "transformers' Mamba cache, gathered at a branch point and extended, gives log-probs off a full "
+        "forward of the same tokens (measured on 5.24: 6.8e-3 for mamba, 0.21 for falcon_mamba)"
+    )
 
     def check_config(self, config):
         if config.hidden_act != "silu":
