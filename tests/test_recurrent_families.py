@@ -72,6 +72,8 @@ def test_minimax_refuses(override, message):
         ("bamba", "model", "final_layernorm"),
         ("mamba", "backbone.layers.0.mixer", "x_proj"),
         ("falcon_mamba", "backbone.layers.0.mixer", "dt_proj"),
+        ("lfm2_moe", "model.layers.0.conv", "in_proj"),
+        ("lfm2_moe", "model", "pos_emb"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):

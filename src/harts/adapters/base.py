@@ -162,6 +162,11 @@ class FamilyAdapter:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
         every family shares, :func:`check_common_config`)."""
 
+    def balancing_bias(self, model: nn.Module, layer: int, router: nn.Module) -> torch.Tensor:
+        """The bias a :attr:`MoEBalancing.BIAS` family moves with the expert loads for the router of
+        decoder layer ``layer``: the router's ``e_score_correction_bias`` (lfm2_moe: its MoE block's)."""
+        return router.e_score_correction_bias
+
     def logit_softcap(self, config) -> float | None:
         """The soft-cap c the stock forward applies to the head's logits, ``c * tanh(logits / c)``,
         or None (no cap, or a family that applies none)."""
