@@ -65,6 +65,15 @@ def test_minimax_refuses(override, message):
         ("granitemoehybrid", "model", "embedding_multiplier"),
         ("falcon_h1", "model.layers.0.mamba", "mup_vector"),
         ("falcon_h1", "model.layers.0.self_attn", "key_multiplier"),
+        ("mamba2", "backbone.layers.0.mixer", "dt_bias"),
+        ("mamba2", "backbone", "norm_f"),
+        ("bamba", "model.layers.0.mamba", "dt_bias"),
+        ("bamba", "model.layers.1.self_attn", "o_proj"),
+        ("bamba", "model", "final_layernorm"),
+        ("mamba", "backbone.layers.0.mixer", "x_proj"),
+        ("falcon_mamba", "backbone.layers.0.mixer", "dt_proj"),
+        ("lfm2_moe", "model.layers.0.conv", "in_proj"),
+        ("lfm2_moe", "model", "pos_emb"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -72,6 +81,22 @@ def test_missing_module_names_family_and_piece(family, path, name):
     delattr(model.get_submodule(path), name)
     with pytest.raises(ValueError, match=f"{family}: .* has no {name}"):
         harts.forward(model, harts.build_forest(FOREST))
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_mamba_refuses_an_activation_other_than_silu(family):
+    """The stock PyTorch path applies hidden_act after the conv, the fused kernel silu: no reference."""
+    model = tiny_model(family, hidden_act="gelu")
+    with pytest.raises(ValueError, match=f"{family}: hidden_act='gelu' is not supported"):
+        harts.forward(model, harts.build_forest(FOREST))
+
+
+def test_falcon_mamba_norms_are_live():
+    """The norms on dt, B and C change the logits (a mixer without them would be seen)."""
+    model = tiny_model("falcon_mamba")
+    plain = tiny_model("mamba")
+    plain.load_state_dict(model.state_dict())
+    _exact_and_live(model, plain)
 
 
 def test_nemotron_h_refuses_sliding_window():
@@ -126,8 +151,10 @@ def test_falcon_h1_norm_before_gate():
     _exact_and_live(tiny_model("falcon_h1", mamba_norm_before_gate=True), tiny_model("falcon_h1"))
 
 
-@pytest.mark.parametrize(("family", "option"), [("granitemoehybrid", "logits_scaling=2.0"),
-                                                ("falcon_h1", "lm_head_multiplier=0.5")])
+@pytest.mark.parametrize(
+    ("family", "option"),
+    [("granitemoehybrid", "logits_scaling=2.0"), ("falcon_h1", "lm_head_multiplier=0.5")],
+)
 def test_head_factor_with_a_biased_head_is_refused(family, option):
     """The logits factor is folded into the head's input, exact only for a head without bias."""
     model = tiny_model(family)

@@ -175,10 +175,14 @@ def test_a_diverging_run_stops_with_status_1(tmp_path, capsys):
     )
 
 
-def test_moe_statistics_and_bias_balancing(tmp_path):
+BALANCED = [next(f for f in FAMILIES if f in ("bailing_hybrid", "kimi_linear", "qwen3_next"))]
+BALANCED += [f for f in ("lfm2_moe",) if f in FAMILIES]  # the bias on the MoE block, not the router
+
+
+@pytest.mark.parametrize("family", BALANCED)
+def test_moe_statistics_and_bias_balancing(tmp_path, family):
     """A bias-balanced family moves its score-correction biases after each step; an aux-loss one
     reports its load-balancing loss."""
-    family = next(f for f in FAMILIES if f in ("bailing_hybrid", "kimi_linear", "qwen3_next"))
     bias = family != "qwen3_next"
     moe = {"enabled": True, **({"bias_update_speed": 0.01} if bias else {})}
     config = write_config(tmp_path / "run.toml", {"steps": 2}, model={"tiny": family}, moe=moe)
@@ -188,7 +192,9 @@ def test_moe_statistics_and_bias_balancing(tmp_path):
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoints" / "step-000002")
     initial = tiny_model(family, seed=0)
     if bias:
-        buffers = [n for n, _ in initial.named_buffers() if n.endswith("e_score_correction_bias")]
+        buffers = [
+            n for n, _ in initial.named_buffers() if n.endswith(("e_score_correction_bias", "expert_bias"))
+        ]
         moved = [n for n in buffers if not torch.equal(initial.get_buffer(n), final.get_buffer(n))]
         assert buffers and moved == buffers
         # two steps of +-0.01 (or 0 for an expert exactly at the mean)

@@ -162,6 +162,11 @@ class FamilyAdapter:
         """Raise ValueError for configurations the adapter cannot run exactly (beyond the checks
         every family shares, :func:`check_common_config`)."""
 
+    def balancing_bias(self, model: nn.Module, layer: int, router: nn.Module) -> torch.Tensor:
+        """The bias a :attr:`MoEBalancing.BIAS` family moves with the expert loads for the router of
+        decoder layer ``layer``: the router's ``e_score_correction_bias`` (lfm2_moe: its MoE block's)."""
+        return router.e_score_correction_bias
+
     def logit_softcap(self, config) -> float | None:
         """The soft-cap c the stock forward applies to the head's logits, ``c * tanh(logits / c)``,
         or None (no cap, or a family that applies none)."""
@@ -364,13 +369,13 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     view = text_view(model, _REGISTRY[model_type].vision_language)
     if view is not None:  # a multimodal model: what harts runs and checks is its text causal LM
         model, config = view, view.config
-    if not hasattr(model, "model") or not (hasattr(model, "lm_head") or hasattr(model, "score")):
+    adapter = _REGISTRY[model_type]
+    if not _has_backbone(adapter, model) or not (hasattr(model, "lm_head") or hasattr(model, "score")):
         raise ValueError(
             "expected a causal LM with .model and .lm_head (e.g. AutoModelForCausalLM), or a critic or "
             f"reward model with .model and .score (e.g. AutoModelForTokenClassification), got "
             f"{type(model).__name__}"
         )
-    adapter = _REGISTRY[model_type]
     if not hasattr(model, "lm_head") and adapter.folds_logit_scale:
         raise ValueError(
             f"{model_type}: harts folds the family's logit scale into the final norm's output (exact for its "
@@ -384,6 +389,16 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     adapter.check_config(config)
     adapter.check_model(model)
     return adapter
+
+
+def _has_backbone(adapter: FamilyAdapter, model: nn.Module) -> bool:
+    """Whether ``model`` holds the backbone where ``adapter`` reads it (``.model``; mamba2's
+    ``.backbone``)."""
+    try:
+        adapter.backbone(model)
+    except AttributeError:
+        return False
+    return True
 
 
 # Rotary types whose tables depend only on the position, not on the sequence's length: a token's

@@ -38,7 +38,7 @@ from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, TreeOp
 from harts.adapters.gqa_family import router_if_it_chooses
 from harts.ops.recurrence import GATED_LINEAR_ATTENTION
 
-__all__ = ["JambaAdapter", "jamba_attention", "jamba_mamba"]
+__all__ = ["JambaAdapter", "jamba_attention", "jamba_mamba", "module_norms"]
 
 _LAYER = ("input_layernorm", "pre_ff_layernorm", "feed_forward")
 _MAMBA = ("in_proj", "conv1d", "act", "x_proj", "dt_layernorm", "b_layernorm", "c_layernorm", "dt_proj",
@@ -56,10 +56,16 @@ def jamba_attention(attn, x, ctx: TreeOps) -> torch.Tensor:
     return attn.o_proj(ctx.attend(query, key, value, attn.scaling).reshape(1, n, -1))
 
 
-def jamba_mamba(mixer, x, ctx: TreeOps) -> torch.Tensor:
+def module_norms(mixer, time_step, b, c):
+    """Jamba's norms on dt, B and C: the mixer's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``."""
+    return mixer.dt_layernorm(time_step), mixer.b_layernorm(b), mixer.c_layernorm(c)
+
+
+def jamba_mamba(mixer, x, ctx: TreeOps, norms=module_norms) -> torch.Tensor:
     """``JambaMambaMixer``'s forward over the forest (see the module docstring), its dtypes as the
     stock slow path: dt in the model's dtype, the scan in fp32 (fp64 for fp64 models), the scan
-    output back in the model's dtype before the skip term and the gate."""
+    output back in the model's dtype before the skip term and the gate. ``norms(mixer, dt, B, C)``
+    gives the normed (dt, B, C); None: no norms (the plain Mamba mixer, ``mamba``)."""
     n = x.shape[1]
     dtype = x.dtype
     hidden, gate = mixer.in_proj(x)[0].chunk(2, dim=-1)  # [N, I] each
@@ -67,8 +73,8 @@ def jamba_mamba(mixer, x, ctx: TreeOps) -> torch.Tensor:
     hidden = mixer.act(ctx.conv(hidden, conv.weight.squeeze(1), conv.bias)).to(dtype)
     state = mixer.ssm_state_size
     time_step, b, c = torch.split(mixer.x_proj(hidden), [mixer.time_step_rank, state, state], dim=-1)
-    time_step = mixer.dt_layernorm(time_step)
-    b, c = mixer.b_layernorm(b), mixer.c_layernorm(c)
+    if norms is not None:
+        time_step, b, c = norms(mixer, time_step, b, c)
     dt = F.softplus(mixer.dt_proj(time_step))  # [N, I]
     f = torch.promote_types(dtype, torch.float32)
     a = -torch.exp(mixer.A_log.to(f))  # [I, N]

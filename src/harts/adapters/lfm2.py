@@ -6,7 +6,7 @@ conv without activation: the conv runs along each token's path (``ctx.conv``), a
 ancestor nodes, its inputs handed over at cuts. The block's norms are ``operator_norm`` and
 ``ffn_norm`` around ``feed_forward``, the final norm ``embedding_norm``.
 
-Left out: ``lfm2_moe`` and the vision-language ``lfm2_vl`` (other families).
+Left out: the vision-language ``lfm2_vl`` (another family). ``lfm2_moe`` is :mod:`harts.adapters.lfm2_moe`.
 """
 
 from __future__ import annotations
@@ -57,15 +57,20 @@ class Lfm2Adapter(FamilyAdapter):
 
     def check_model(self, model):
         backbone = self.backbone(model)
-        require("lfm2", backbone, "embed_tokens", "layers", "embedding_norm", "rotary_emb")
+        require(self.model_types[0], backbone, "embed_tokens", "layers", "embedding_norm", self.rotary_name)
         for layer, layer_type in zip(backbone.layers, model.config.layer_types, strict=False):
-            require("lfm2", layer, *_LAYER)
+            require(self.model_types[0], layer, *_LAYER)
             if layer_type == "conv":
-                require("lfm2", layer, "conv")
-                require("lfm2", layer.conv, *_CONV)
+                require(self.model_types[0], layer, "conv")
+                require(self.model_types[0], layer.conv, *_CONV)
             else:
-                require("lfm2", layer, "self_attn")
-                require("lfm2", layer.self_attn, *_ATTENTION)
+                require(self.model_types[0], layer, "self_attn")
+                require(self.model_types[0], layer.self_attn, *_ATTENTION)
+
+    rotary_name = "rotary_emb"  # the backbone's rotary module (lfm2_moe: ``pos_emb``)
+
+    def rotary(self, backbone):
+        return getattr(backbone, self.rotary_name)
 
     def final_norm(self, backbone):
         return backbone.embedding_norm

@@ -235,7 +235,9 @@ class _Train(Run):
             if adapter_for(self.model).moe_balancing is not MoEBalancing.BIAS:
                 raise ValueError(f"moe.bias_update_speed: {self.model.config.model_type} balances its "
                                  f"experts with an auxiliary loss, not a router bias")  # fmt: skip
-            self.routers = [router for _, router in find_routers(self.model)]
+            adapter = adapter_for(self.model)
+            self.router_biases = [adapter.balancing_bias(self.model, layer, router)
+                                  for layer, router in find_routers(self.model)]  # fmt: skip
 
     def _restore(self, start: Checkpoint | None, state: dict | None) -> None:
         """The position, optimizers, random states and, between two updates of a step of rollouts, its

@@ -135,7 +135,7 @@ class Run:
     def __init__(self, config, out: Path, log: TextIO, ranks: Ranks | None = None):
         self.config, self.out, self.log, self.ranks = config, out, log, ranks
         self.root = out / "checkpoints"
-        self.routers: list = []  # MoE routers whose score-correction bias follows the expert loads
+        self.router_biases: list = []  # MoE routers' score-correction biases, which follow the expert loads
         self.session = 0.0  # seconds of this session's work (the progress line's eta reads it)
 
     @classmethod
@@ -273,11 +273,11 @@ class Run:
             )
         lrs = optim.lrs()  # the rates this step uses
         optim.step()
-        if self.routers:
+        if self.router_biases:
             delta = bias_update(result.moe.expert_counts, self.config.moe.bias_update_speed)
             with torch.no_grad():
-                for router, d in zip(self.routers, delta, strict=True):
-                    router.e_score_correction_bias.add_(d.to(router.e_score_correction_bias))
+                for bias, d in zip(self.router_biases, delta, strict=True):
+                    bias.add_(d.to(bias))
         optim.zero_grad()
         return grad_norm, lrs
 
@@ -345,4 +345,3 @@ class Run:
             png = self.out / "metrics.png"
             self.say(write_plot(self.out / METRICS, png, self.plotted, self.plot_markers))
         return self.finish(last, first)
-
