@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 # The oldest transformers harts supports (pyproject.toml); `make test` runs the suite on it too.
 # Families it lacks (bailing_hybrid, kimi_linear) are skipped there, saying so.
+# The newest transformers harts supports, pinned so that `make test` runs on it whatever the index holds.
+NEWEST_TRANSFORMERS := transformers==5.25.0
 OLDEST := .venv-oldest
 OLDEST_TRANSFORMERS := transformers==5.10.4
 # The GPU kernels (the `gpu` extra) checked on the CPU under the triton interpreter, in their own venv:
@@ -25,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[dev,logging]" $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[dev,logging]" $(NEWEST_TRANSFORMERS) $(TORCH_PIN)
 	touch $@
 
 $(OLDEST)/.installed: pyproject.toml
@@ -40,7 +42,7 @@ $(KERNELS)/.installed: pyproject.toml
 	echo '*' > $(KERNELS)/.gitignore  # as python 3.13's venv writes: git never sees it
 	$(KERNELS)/bin/python -m pip install -q --upgrade pip
 	$(KERNELS)/bin/python -m pip install -q $(TORCH_PIN)
-	$(KERNELS)/bin/python -m pip install -q -e ".[dev,gpu]" $(TORCH_PIN)
+	$(KERNELS)/bin/python -m pip install -q -e ".[dev,gpu]" $(NEWEST_TRANSFORMERS) $(TORCH_PIN)
 	touch $@
 
 $(VERL)/.installed: pyproject.toml
@@ -56,7 +58,7 @@ $(GPU)/.installed: pyproject.toml
 	echo '*' > $(GPU)/.gitignore
 	$(GPU)/bin/python -m pip install -q --upgrade pip
 	$(GPU)/bin/python -m pip install -q $(GPU_TORCH_PIN)
-	$(GPU)/bin/python -m pip install -q -e ".[dev,gpu]" $(GPU_TORCH_PIN)
+	$(GPU)/bin/python -m pip install -q -e ".[dev,gpu]" $(NEWEST_TRANSFORMERS) $(GPU_TORCH_PIN)
 	touch $@
 
 demo: $(VENV)/.installed
