@@ -21,6 +21,7 @@ bailing_hybrid and qwen3; the exact kernels pass with the same bits.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from harts.ops.backends import Backend, register_backend
 from harts.ops.recurrence import DELTA_RULE
 from harts.ops.tree_attention import tree_attention
 from harts.runtime.verify import sample_trajectories
+from harts.runtime.verify_sample import MAX_PREFIX, TAIL, within_prefix
 from harts.tiny import FAMILIES, tiny_model
 from tests.distributed_worker import batch
 from tests.helpers import one_thread  # noqa: F401 (fixture)
@@ -113,6 +115,38 @@ def test_the_sample_is_the_deepest_shared_prefix():
     assert sample_trajectories(harts.build_forest([[1], [2]])) == [0]
 
 
+def test_a_branch_past_the_prefix_limit_is_brought_within_it():
+    """Two trajectories parting after a 600-token prompt: the sample is the prompt's first
+    MAX_PREFIX tokens and each one's TAIL tokens past the branch (its cost does not grow with the
+    prompt), passes on exact kernels, and a fault names positions of the call's trajectories."""
+    model = tiny_model("qwen3")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, vocab, (600,), generator=g).tolist()
+    rollouts = [
+        harts.Rollout(
+            prompt + torch.randint(0, vocab, (40,), generator=g).tolist(),
+            advantages=1.0,
+            rollout_logprobs=[-1.0] * 640,
+        )
+        for _ in range(2)
+    ]
+    trajectories = [torch.as_tensor(r.tokens) for r in rollouts]
+    cut, _, shift = within_prefix(trajectories, None)
+    assert shift == 600 - MAX_PREFIX and [t.numel() for t in cut] == [MAX_PREFIX + TAIL] * 2
+    assert all(
+        torch.equal(c[MAX_PREFIX:], t[600 : 600 + TAIL]) for c, t in zip(cut, trajectories, strict=True)
+    )
+    result = _step(model, rollouts, verify=True)
+    model.zero_grad(set_to_none=True)
+    assert result.metrics["verify_value_error"] <= result.metrics["verify_value_bound"]
+    with pytest.raises(harts.VerificationError, match=r"trajectory [01], position (\d+)") as error:
+        _step(model, rollouts, verify=True, backend="test-off-in-forward")
+    model.zero_grad(set_to_none=True)
+    position = int(re.search(r"position (\d+)", str(error.value)).group(1))
+    assert position < MAX_PREFIX or 600 <= position < 600 + TAIL  # a place of the call's trajectory
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_exact_step_passes_and_computes_the_same_bits(family):
     model = tiny_model(family)
@@ -171,10 +205,14 @@ def test_a_critic_verifies_its_values_and_its_step():
     rollouts = batch(lm.config.vocab_size)[:6]
     run = harts.RunConfig(**{**RUN.__dict__, "verify": True})
     values = harts.forward_values(critic, rollouts, run=run).values
-    assert all(torch.equal(a, b) for a, b in
-               zip(values, harts.forward_values(critic, rollouts, run=RUN).values, strict=True))  # fmt: skip
-    with_returns = [r.__class__(**{**r.__dict__, "returns": torch.ones(len(r.tokens)), "values": v})
-                    for r, v in zip(rollouts, values, strict=True)]  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(values, harts.forward_values(critic, rollouts, run=RUN).values, strict=True)
+    )
+    with_returns = [
+        r.__class__(**{**r.__dict__, "returns": torch.ones(len(r.tokens)), "values": v})
+        for r, v in zip(rollouts, values, strict=True)
+    ]
     plain = harts.value_step(critic, with_returns, run=RUN)
     want = _grads(critic)
     checked = harts.value_step(critic, with_returns, run=run)
@@ -192,25 +230,40 @@ def test_harts_train_verifies_its_first_update_and_stops_on_a_failed_check(tmp_p
     from tests.helpers import run_train, write_config
 
     family = HYBRID[0]
-    config = write_config(tmp_path / "run.toml", {"steps": 2}, model={"tiny": family},
-                          run={"budget_tokens": 32, "linear_plan": "depth"})  # fmt: skip
+    config = write_config(
+        tmp_path / "run.toml",
+        {"steps": 2},
+        model={"tiny": family},
+        run={"budget_tokens": 32, "linear_plan": "depth"},
+    )
     assert run_train(config, tmp_path / "ok") == 0
     err = capsys.readouterr().err
     assert err.count("verified against the stock forward (fp32") == 1, err[-2000:]
     assert "step 1 verified" in err
     records = (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()
     assert '"verify_gradient_ratio"' in records[0] and '"verify_gradient_ratio"' not in records[1]
-    faulty = write_config(tmp_path / "faulty.toml", {"steps": 2}, model={"tiny": family},
-                          run={"budget_tokens": 32, "linear_plan": "depth",
-                               "backend": "test-off-in-backward"})  # fmt: skip
+    faulty = write_config(
+        tmp_path / "faulty.toml",
+        {"steps": 2},
+        model={"tiny": family},
+        run={"budget_tokens": 32, "linear_plan": "depth", "backend": "test-off-in-backward"},
+    )
     assert run_train(faulty, tmp_path / "bad") == 4
     lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(lines) == 1 and "verification of forest_step failed" in lines[0] and "parameter" in lines[0]
     written = tmp_path / "bad" / "checkpoints"
     assert not written.exists() or not list(written.iterdir())
-    never = write_config(tmp_path / "never.toml", {"steps": 1}, model={"tiny": family},
-                         run={"budget_tokens": 32, "linear_plan": "depth", "backend": "test-off-in-backward",
-                              "verify": "never"})  # fmt: skip
+    never = write_config(
+        tmp_path / "never.toml",
+        {"steps": 1},
+        model={"tiny": family},
+        run={
+            "budget_tokens": 32,
+            "linear_plan": "depth",
+            "backend": "test-off-in-backward",
+            "verify": "never",
+        },
+    )
     assert run_train(never, tmp_path / "never") == 0  # unverified, the faulty kernel trains
 
 

@@ -26,6 +26,7 @@ import torch
 from harts.bench.cases import DEFAULT_FAMILIES, SFT, SUM, BenchConfig, build_case
 from harts.runtime.config import RunConfig
 from harts.runtime.verify import sample_spans
+from harts.runtime.verify_sample import within_prefix
 from harts.steps import forest_step
 
 __all__ = ["measure", "main"]
@@ -58,12 +59,13 @@ def measure(family: str, shape: str, cfg: BenchConfig, budget: int | None, repea
         for name, run in order:
             times[name].append(_timed(lambda run=run: step(run)))
     base, verified = statistics.median(times["plain"]), statistics.median(times["verified"])
-    sample = sample_spans(forest)  # (trajectory, tokens kept)
+    spans = sample_spans(forest)  # (trajectory, tokens kept), then brought within the prefix limit
+    sample, _, _ = within_prefix([forest.trajectory(i)[:keep] for i, keep in spans], None)
     return {
         "family": family, "shape": shape, "budget": budget,
         "unique_tokens": forest.num_tokens, "flat_tokens": forest.num_flat_tokens,
         "trajectories": forest.num_trajectories, "sample_trajectories": len(sample),
-        "sample_tokens": sum(keep for _, keep in sample),
+        "sample_tokens": sum(t.numel() for t in sample),
         "step_s": base, "verified_step_s": verified, "share": (verified - base) / base,
         "times": times,
     }  # fmt: skip

@@ -44,15 +44,18 @@ def raise_on_kernels(kernel: KernelFigures, label: str, chosen: list[int], what:
 
 
 class Where:
-    """Row index of the sample -> (the call's trajectory index, position)."""
+    """Row index of the sample -> (the call's trajectory index, position); ``shift``: a sample
+    brought within its prefix (:func:`harts.runtime.verify_sample.within_prefix`) has its positions
+    from ``after`` on that many places earlier than the call's trajectory."""
 
-    def __init__(self, chosen: list[int], lengths: list[int]):
-        self.chosen = chosen
+    def __init__(self, chosen: list[int], lengths: list[int], after: int = 0, shift: int = 0):
+        self.chosen, self.after, self.shift = chosen, after, shift
         self.starts = np.cumsum([0] + [n - 1 for n in lengths])
 
     def __call__(self, row: int) -> tuple[int, int]:
         k = int(np.searchsorted(self.starts, row, side="right") - 1)
-        return self.chosen[k], int(row - self.starts[k]) + 1
+        position = int(row - self.starts[k]) + 1
+        return self.chosen[k], position + (self.shift if self.shift and position >= self.after else 0)
 
 
 def check_values(

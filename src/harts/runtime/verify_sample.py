@@ -31,6 +31,7 @@ __all__ = [
     "SAMPLE_SIZE",
     "MAX_PREFIX",
     "TAIL",
+    "within_prefix",
 ]
 
 Tensor = torch.Tensor
@@ -98,6 +99,35 @@ def precision_of(model: nn.Module) -> tuple[str, torch.dtype, bool]:
     return f"{str(dtype).removeprefix('torch.')} parameters", torch.float32, False
 
 
+def within_prefix(
+    trajectories: list[Tensor], routes: list[Tensor] | None
+) -> tuple[list[Tensor], list[Tensor] | None, int]:
+    """The sample brought within ``MAX_PREFIX`` when its branch lies past it (the forest has no
+    branch nearer its roots: a long system prompt shared by every trajectory, say): the first
+    ``MAX_PREFIX`` tokens they share, then each one's ``TAIL`` tokens past the branch. The same
+    shared prefix, branch and tails the check needs, at a cost that does not grow with the prompt.
+    Each is a token sequence the model runs like any other; the check compares harts and stock on
+    the sample, whatever its tokens, and a token's recorded routes move with it. Returns them and
+    how many places the tails moved (0: the sample as it was)."""
+    if len(trajectories) < 2:
+        return trajectories, routes, 0
+    first, second = trajectories[0], trajectories[1]
+    common = min(first.numel(), second.numel())
+    differ = (first[:common] != second[:common]).nonzero()
+    branch = int(differ[0]) if differ.numel() else common
+    if branch <= MAX_PREFIX:
+        return trajectories, routes, 0
+
+    def cut(t: Tensor) -> Tensor:
+        return torch.cat([t[:MAX_PREFIX], t[branch : branch + TAIL]])
+
+    return (
+        [cut(t) for t in trajectories],
+        None if routes is None else [cut(r) for r in routes],
+        branch - MAX_PREFIX,
+    )
+
+
 @dataclass
 class Sample:
     """The check's sample (:func:`sample_spans`, a cut never inside an image; rank 0's on FSDP2
@@ -119,6 +149,7 @@ class Sample:
     sharded: bool
     values: bool
     temperature: float
+    shift: int = 0  # the sample brought within its prefix: its tails' places moved (within_prefix)
 
     @classmethod
     def of(
@@ -141,10 +172,11 @@ class Sample:
         if sharded:
             refuse_low(model, label not in ("fp32", "fp64"), gradients)
             spans, trajectories, routes = broadcast_sample(spans, trajectories, routes)
-        images = None
+        images, shift = None, 0
         if getattr(forest, "images", None) is not None:  # each trajectory with its own images
             sub, images = sample_images(model, forest, spans, routes)
         else:
+            trajectories, routes, shift = within_prefix(trajectories, routes)
             sub = build_forest([t.tolist() for t in trajectories], routed_experts=routes)
         predictor, target, _ = _rows(sub)
         loss = _sample_loss(predictor.numel(), values, separable) if gradients else None
@@ -164,6 +196,7 @@ class Sample:
             sharded,
             values,
             temperature,
+            shift,
         )
 
     @property
@@ -172,7 +205,7 @@ class Sample:
 
     @property
     def where(self) -> Where:
-        return Where(self.chosen, [t.numel() for t in self.trajectories])
+        return Where(self.chosen, [t.numel() for t in self.trajectories], MAX_PREFIX, self.shift)
 
     @property
     def kind(self) -> str:
