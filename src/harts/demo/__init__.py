@@ -18,7 +18,7 @@ It prints, in order:
    layout at its fastest budget, medians of ``--repeats`` interleaved timings, next to the
    FLOP-ideal speedup; a measured speedup above the ideal is reported as a noisy or weak baseline,
    with no speedup claimed;
-3. the tensor peak of one step in each layout (:mod:`harts.demo.memory`);
+3. the tensor peak of one step in each layout at the same stated budget, the tree's (:mod:`harts.demo.memory`);
 4. ``--steps`` AdamW steps from the same seed in both layouts, losses side by side
    (:mod:`harts.demo.training`).
 
@@ -160,9 +160,14 @@ def run_demo(sizes: Sizes, seed: int) -> None:
     print("\n2. speed: one step, tree against flat at its fastest budget")
     flat_budget = report_speed(model, rollouts, tree, flat, sizes.budget, sizes.repeats)
 
-    print("\n3. memory")
-    report_memory(model, rollouts, sizes.budget, step_fn(model, rollouts, True, sizes.budget),
-                  step_fn(model, rollouts, False, flat_budget))  # fmt: skip
+    print(f"\n3. memory at a fixed budget of {sizes.budget} unique tokens per micro-batch")
+    report_memory(
+        model,
+        rollouts,
+        sizes.budget,
+        step_fn(model, rollouts, True, sizes.budget),
+        step_fn(model, rollouts, False, sizes.budget),
+    )
 
     print(f"\n4. {sizes.steps} AdamW steps from the same seed in each layout")
     report_training(model, rollouts, sizes.budget, flat_budget, sizes.steps, seed)
