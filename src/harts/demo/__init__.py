@@ -18,7 +18,8 @@ It prints, in order:
    layout at its fastest budget, medians of ``--repeats`` interleaved timings, next to the
    FLOP-ideal speedup; a measured speedup above the ideal is reported as a noisy or weak baseline,
    with no speedup claimed;
-3. the tensor peak of one step in each layout at the same stated budget, the tree's (:mod:`harts.demo.memory`);
+3. the tensor peak of one step in each layout at the same stated budget, the tree's
+   (:mod:`harts.demo.memory`);
 4. ``--steps`` AdamW steps from the same seed in both layouts, losses side by side
    (:mod:`harts.demo.training`).
 
