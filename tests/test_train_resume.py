@@ -13,6 +13,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from harts.trainer.loop import train
 from harts.trainer.optim import build_optimizers
 from harts.trainer.policy_step import train_step
 from tests.helpers import (
+    ROOT,
     kill_after,
     needs_bf16_attention,
     one_thread,  # noqa: F401 (autouse: one thread)
@@ -34,6 +37,7 @@ from tests.helpers import (
     wait_for,
     write_config,
 )
+from tests.test_distributed import _free_port
 
 STEPS = 16
 
@@ -107,6 +111,55 @@ def test_ctrl_c_exits_130_and_keeps_the_last_checkpoint(tmp_path):
     assert os.path.exists(newest.path / "model.safetensors")
 
 
+def test_sigterm_exits_143_naming_the_last_checkpoint(tmp_path):
+    config = _config(tmp_path)
+    out = tmp_path / "out"
+    process = start_train(config, out)
+    wait_for(process, out / "checkpoints" / "step-000002")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate()
+    assert process.returncode == 143, err[-2000:]
+    newest = latest(out / "checkpoints")
+    assert newest is not None and "stopped by SIGTERM at step" in err
+    assert f"the last complete checkpoint is {newest.path} (continue with --resume)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+def test_every_rank_torchrun_stops_names_itself_and_the_last_checkpoint(tmp_path):
+    """torchrun stops every rank with SIGTERM when one fails (here: when the job is stopped): each
+    rank prints one line naming itself and the checkpoint to resume from, and exits 143."""
+    config = write_config(
+        tmp_path / "run.toml", {"steps": STEPS}, **SECTIONS, distributed={"strategy": "ddp", "timeout_s": 60}
+    )
+    out = tmp_path / "out"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "harts",
+        "train",
+        str(config),
+        "--out",
+        str(out),
+    ]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(process, out / "checkpoints" / "step-000002", timeout=180)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    newest = latest(out / "checkpoints")
+    assert newest is not None
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: stopped by SIGTERM at step" in err, err[-3000:]
+    assert f"the last complete checkpoint is {newest.path} (continue with --resume)" in err
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_model_loaded_from_a_checkpoint_computes_the_same_bits(family, tmp_path):
     """The model a resume loads must give the gradients of the model that wrote the checkpoint,
@@ -149,14 +202,21 @@ def test_bf16_resume_restores_the_fp32_masters_bit_for_bit(tmp_path, capsys):
     learnt lives in the fp32 masters, so a resume that restarted from the bf16 weights would end
     elsewhere. Stopped after 2 of 4 steps (a run of 2 steps, then resumed to 4) it must end with
     the uninterrupted run's bf16 model, masters and optimizer state, bit for bit."""
-    sections = dict(model={"tiny": "llama", "dtype": "bfloat16"}, optimizer={"kind": "muon", "lr": 1e-5},
-                    schedule={"warmup_steps": 2}, checkpoint={"every": 1, "keep_last": 4})  # fmt: skip
+    sections = dict(
+        model={"tiny": "llama", "dtype": "bfloat16"},
+        optimizer={"kind": "muon", "lr": 1e-5},
+        schedule={"warmup_steps": 2},
+        checkpoint={"every": 1, "keep_last": 4},
+    )
     short = write_config(tmp_path / "short.toml", {"steps": 2}, **sections)
     whole = write_config(tmp_path / "whole.toml", {"steps": 4}, **sections)
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     harts_main(["train", str(short), "--out", str(stopped)])
-    pure = write_config(tmp_path / "pure.toml", {"steps": 4}, **{**sections, "optimizer": {
-        **sections["optimizer"], "master_weights": False}})  # fmt: skip
+    pure = write_config(
+        tmp_path / "pure.toml",
+        {"steps": 4},
+        **{**sections, "optimizer": {**sections["optimizer"], "master_weights": False}},
+    )
     with pytest.raises(ValueError, match="resume with the model.dtype and optimizer.master_weights"):
         train(load_config(pure), stopped, resume=True, log=io.StringIO())
     harts_main(["train", str(whole), "--out", str(stopped), "--resume"])

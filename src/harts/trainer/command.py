@@ -40,12 +40,10 @@ the stock forward failed ([run] verify), 130 interrupted (143 on SIGTERM)
 config reference: docs/training.md"""
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so the run stops the way Ctrl-C stops it."""
-
-
 def _on_sigterm(signum, frame):
-    raise _Terminated()
+    from harts.trainer.run import Terminated
+
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -72,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     from harts.trainer.config import load_config
     from harts.trainer.loop import TrainingDiverged, train
     from harts.trainer.processes import RankFailure, reports, stop_together
+    from harts.trainer.run import Terminated
 
     try:
         config = load_config(args.config)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if handle else None
     try:
         return train(config, out, resume=args.resume, accept_changed_data=args.accept_changed_data)
-    except _Terminated:
+    except Terminated:
         raise SystemExit(143) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None

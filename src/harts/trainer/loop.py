@@ -430,10 +430,20 @@ class _Train(Run):
                 trainer["critic_values"] = self.current.values  # as the old log-probs
         return trainer
 
-    def interrupted(self) -> None:
+    def interrupted(self, terminated: bool = False) -> None:
+        """One line: where the run stopped and the checkpoint to resume from. Stopped by SIGTERM
+        under torchrun (another rank failed, or the job was stopped), every rank says it, naming
+        itself, since rank 0 may be the one that failed."""
         done = list_checkpoints(self.root)  # published whole or not at all: the newest is complete
         where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
-        self.say(f"interrupted at step {self.position.step}; {where} (continue with --resume)")
+        how = "stopped by SIGTERM" if terminated else "interrupted"
+        line = f"{how} at step {self.position.step}; {where} (continue with --resume)"
+        if not (terminated and self.ranks is not None):
+            self.say(line)
+            return
+        rank = f"rank {self.ranks.rank} of {self.ranks.world_size}"
+        why = "under torchrun the ranks are stopped when one fails: its error, if any, is above"
+        print(f"{self.command}: {rank}: {line}; {why}", file=self.log, flush=True)
 
     def finish(self, last: Path | None, first: int) -> dict:
         config, position, session = self.config, self.position, self.session

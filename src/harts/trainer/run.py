@@ -42,13 +42,28 @@ from harts.trainer.optim import ParameterSplit, build_optimizers
 from harts.trainer.processes import STATE_DIR, RankFailure, Ranks, load_state, plain_class, stop_together
 from harts.trainer.progress import PLOTTED, MetricsLog, progress_line, write_plot
 
-__all__ = ["Run", "TrainingDiverged", "collective", "update_metrics", "TRAINER_STATE", "STATE", "CONFIG",
-           "METRICS"]  # fmt: skip
+__all__ = [
+    "Run",
+    "Terminated",
+    "TrainingDiverged",
+    "collective",
+    "update_metrics",
+    "TRAINER_STATE",
+    "STATE",
+    "CONFIG",
+    "METRICS",
+]
 
 TRAINER_STATE = "trainer_state.pt"
 STATE = "state.json"
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a run stops the way Ctrl-C stops it. torchrun
+    sends it to every other rank as soon as one rank exits, so a rank may meet it for another's
+    failure."""
 
 
 class TrainingDiverged(ArithmeticError):
@@ -194,8 +209,9 @@ class Run:
         """Say the run's summary (``first``: the step this session started from); return it."""
         raise NotImplementedError
 
-    def interrupted(self) -> None:
-        """Ctrl-C during the updates: say where the run stands (the interrupt goes on)."""
+    def interrupted(self, terminated: bool = False) -> None:
+        """Ctrl-C (or SIGTERM: ``terminated``) during the updates: say where the run stands (the
+        interrupt goes on)."""
 
     # ---- the skeleton ----------------------------------------------------------------------------
     def run(self, resume: bool) -> dict:
@@ -333,8 +349,8 @@ class Run:
                     if done or (every and self.step % every == 0):
                         last = self.save()
                         self.say(f"checkpoint {last}")
-        except KeyboardInterrupt:
-            self.interrupted()
+        except KeyboardInterrupt as stop:
+            self.interrupted(isinstance(stop, Terminated))
             raise
         finally:
             if metrics is not None:
