@@ -12,6 +12,7 @@ public API) may import anything. A failure names the module and the import.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import harts
@@ -193,3 +194,14 @@ def test_modules_and_functions_stay_small():
                     long_functions.append(f"{name}:{node.lineno} {node.name}: {length} lines")
     assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+def test_the_docs_index_links_every_page():
+    """docs/index.md links every page of docs/ (and every link it holds resolves)."""
+    docs = SRC.parents[1] / "docs"
+    index = (docs / "index.md").read_text()
+    linked = set(re.findall(r"\]\(([^)#]+)", index))
+    pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md") if p.name != "index.md"}
+    assert pages <= linked, f"pages docs/index.md does not link: {sorted(pages - linked)}"
+    missing = [link for link in linked if not (docs / link).exists()]
+    assert not missing, f"links in docs/index.md that lead nowhere: {missing}"
