@@ -95,8 +95,10 @@ gpu-check:
 		$(MAKE) $(VENV)/.installed && $(PY) -m harts.bench.gpu_check $(ARGS); \
 	fi
 
+# ruff format is the formatter of src/: the size rules (tests/test_architecture.py) hold on what it leaves
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tests_kernels examples
+	$(VENV)/bin/ruff format --check src
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

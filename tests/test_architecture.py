@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import harts
 
@@ -205,3 +209,15 @@ def test_the_docs_index_links_every_page():
     assert pages <= linked, f"pages docs/index.md does not link: {sorted(pages - linked)}"
     missing = [link for link in linked if not (docs / link).exists()]
     assert not missing, f"links in docs/index.md that lead nowhere: {missing}"
+
+
+def test_src_is_as_the_formatter_leaves_it():
+    """``ruff format`` lays out src/ (the size rules above measure what it leaves); a few tables may
+    keep their own layout with ``fmt: skip``."""
+    markers = sum(path.read_text().count("fmt: skip") for path in SRC.rglob("*.py"))
+    assert markers <= 10, f"{markers} fmt: skip markers in src/harts (at most 10, for tables)"
+    ruff = Path(sys.executable).parent / "ruff"
+    if not ruff.exists():
+        pytest.skip("ruff is not installed beside this interpreter (the dev extra installs it)")
+    done = subprocess.run([str(ruff), "format", "--check", str(SRC)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -45,7 +45,7 @@ from harts.objectives import (
     normalizers_for,
 )
 from harts.rl.config import parse_rl_config
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from tests.helpers import run_train, write_config, write_small_rollouts
 from tests.reference import cached_model, fp64_copy, gradient_failures, param_grads
 

@@ -89,7 +89,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _base(config: Path):
-    from harts.trainer.config import load_config
+    from harts.trainer.config_files import load_config
     from harts.trainer.inputs import load_model
 
     loaded = load_config(config)
@@ -100,7 +100,7 @@ def _start(config: Path) -> dict:
     """The adapter the runs start from, as peft names it in the file (fresh adapters, seeded)."""
     from peft import get_peft_model_state_dict
 
-    from harts.trainer.config import load_config
+    from harts.trainer.config_files import load_config
     from harts.trainer.inputs import seed_everything
     from harts.trainer.lora import attach_lora
 

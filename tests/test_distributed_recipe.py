@@ -113,7 +113,7 @@ def _check_against(one: Path, out: Path) -> None:
 def _initial(one: Path) -> tuple[dict, dict]:
     """The starting weights of the policy and the critic, as the runs load them, in the files'
     layout (``save_pretrained`` may store a fused tensor as several)."""
-    from harts.trainer.config import load_config
+    from harts.trainer.config_files import load_config
     from harts.trainer.critic import load_critic, save_critic
     from harts.trainer.inputs import load_model
 

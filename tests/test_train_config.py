@@ -14,7 +14,8 @@ import pytest
 import harts
 from harts.cli import main as harts_main
 from harts.data.rollout_files import iter_rollout_steps
-from harts.trainer.config import ScheduleConfig, load_config
+from harts.trainer.config import ScheduleConfig
+from harts.trainer.config_files import load_config
 from harts.trainer.inputs import count_steps
 from harts.trainer.optim import lr_factor
 from tests.helpers import EXAMPLE_ROLLOUTS, write_config

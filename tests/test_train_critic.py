@@ -33,7 +33,7 @@ import harts
 from harts.objectives.advantages import advantages_to_rollouts
 from harts.tiny import FAMILIES, tiny_config, tiny_model
 from harts.trainer.checkpoint import list_checkpoints
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from harts.trainer.critic import CRITIC_DIR, VALUE_HEAD_ARCHITECTURE, load_critic
 from harts.trainer.inputs import own_memory, rollout_steps
 from harts.trainer.loop import train

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from harts.tiny import tiny_model
 from harts.trainer.checkpoint import list_checkpoints
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from harts.trainer.inputs import rollout_steps
 from harts.trainer.ppo import mini_batches
 from tests.helpers import (

@@ -21,7 +21,7 @@ import torch
 import harts
 from harts.runtime.forward_only import forest_logprobs
 from harts.tiny import tiny_model
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from harts.trainer.inputs import load_model, rollout_steps
 from harts.trainer.ppo import StepUpdates, load_reference
 from tests.helpers import (

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from harts.cli import main as harts_main
 from harts.tiny import FAMILIES
 from harts.trainer.checkpoint import latest, list_checkpoints
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from harts.trainer.inputs import load_model, quiet_transformers, rollout_steps
 from harts.trainer.loop import train
 from harts.trainer.optim import build_optimizers

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 import harts
 from harts.tiny import FAMILIES, tiny_model
 from harts.trainer.checkpoint import MANIFEST, list_checkpoints
-from harts.trainer.config import load_config
+from harts.trainer.config_files import load_config
 from harts.trainer.loop import train
 from harts.trainer.progress import write_plot
 from tests.helpers import (

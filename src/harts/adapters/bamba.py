@@ -63,11 +63,24 @@ class BambaAdapter(FamilyAdapter):
 
         # mamba, attention, mamba
         fields = dict(
-            TINY_COMMON, num_hidden_layers=3, attn_layer_indices=[1], num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head="auto",
-            mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
-            mamba_conv_bias=True, mamba_proj_bias=True, tie_word_embeddings=False, rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            mamba_n_heads=8,
+            mamba_d_head="auto",
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+            mamba_conv_bias=True,
+            mamba_proj_bias=True,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+        )
         return BambaConfig(**{**fields, **overrides})
 
     def randomize_tiny(self, model):

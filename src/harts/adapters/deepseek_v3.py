@@ -14,8 +14,18 @@ from harts.adapters.mixers import mla_attention
 
 __all__ = ["DeepseekV3Adapter", "deepseek_v3_attention"]
 
-_MLA_FIELDS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "kv_lora_rank",
-               "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "scaling")
+_MLA_FIELDS = (
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "scaling",
+)
 
 
 def deepseek_v3_attention(attn, x, ctx) -> torch.Tensor:
@@ -45,12 +55,25 @@ class DeepseekV3Adapter(FamilyAdapter):
         from transformers import DeepseekV3Config
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=32,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
-            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=24,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
             rope_theta=10000.0,
-        )  # fmt: skip
+        )
         return DeepseekV3Config(**{**fields, **overrides})
 
 

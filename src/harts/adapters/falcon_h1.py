@@ -38,11 +38,35 @@ from harts.adapters.mixers import mamba2_mixer
 
 __all__ = ["FalconH1Adapter", "falcon_h1_attention"]
 
-_LAYER = ("input_layernorm", "pre_ff_layernorm", "feed_forward", "mamba", "self_attn",
-          "attention_in_multiplier", "ssm_out_multiplier", "attn_out_multiplier")  # fmt: skip
-_MAMBA = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "out_proj", "num_heads", "head_dim",
-          "ssm_state_size", "intermediate_size", "n_groups", "conv_dim", "time_step_limit", "mamba_rms_norm",
-          "ssm_in_multiplier", "mup_vector")  # fmt: skip
+_LAYER = (
+    "input_layernorm",
+    "pre_ff_layernorm",
+    "feed_forward",
+    "mamba",
+    "self_attn",
+    "attention_in_multiplier",
+    "ssm_out_multiplier",
+    "attn_out_multiplier",
+)
+_MAMBA = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "dt_bias",
+    "A_log",
+    "D",
+    "out_proj",
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "intermediate_size",
+    "n_groups",
+    "conv_dim",
+    "time_step_limit",
+    "mamba_rms_norm",
+    "ssm_in_multiplier",
+    "mup_vector",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "key_multiplier")
 
 
@@ -80,8 +104,16 @@ class FalconH1Adapter(FamilyAdapter):
 
     def check_model(self, model):
         backbone = self.backbone(model)
-        require("falcon_h1", backbone, "embed_tokens", "layers", "final_layernorm", "rotary_emb",
-                "embedding_multiplier", "lm_head_multiplier")  # fmt: skip
+        require(
+            "falcon_h1",
+            backbone,
+            "embed_tokens",
+            "layers",
+            "final_layernorm",
+            "rotary_emb",
+            "embedding_multiplier",
+            "lm_head_multiplier",
+        )
         if backbone.lm_head_multiplier != 1 and getattr(model.lm_head, "bias", None) is not None:
             raise ValueError(
                 f"falcon_h1: lm_head_multiplier={backbone.lm_head_multiplier} with a biased lm_head: harts "
@@ -117,14 +149,31 @@ class FalconH1Adapter(FamilyAdapter):
         from transformers import FalconH1Config
 
         fields = dict(
-            TINY_COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=96, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
-            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
-            mamba_norm_before_gate=False, tie_word_embeddings=False,
-            embedding_multiplier=1.5, lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=0.8,
-            attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.6,
-            ssm_multipliers=[0.9, 1.1, 0.8, 1.3, 0.7], mlp_multipliers=[1.2, 0.8],
-        )  # fmt: skip
+            TINY_COMMON,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            mamba_d_ssm=128,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            tie_word_embeddings=False,
+            embedding_multiplier=1.5,
+            lm_head_multiplier=0.5,
+            key_multiplier=0.7,
+            attention_in_multiplier=0.8,
+            attention_out_multiplier=0.9,
+            ssm_in_multiplier=1.2,
+            ssm_out_multiplier=0.6,
+            ssm_multipliers=[0.9, 1.1, 0.8, 1.3, 0.7],
+            mlp_multipliers=[1.2, 0.8],
+        )
         fields.pop("rms_norm_eps")
         return FalconH1Config(**{**fields, **overrides}, rms_norm_eps=1e-5)
 

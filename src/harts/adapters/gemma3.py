@@ -21,8 +21,14 @@ __all__ = ["Gemma3Adapter"]
 class Gemma3Adapter(GQAFamilyAdapter):
     model_types = ("gemma3_text",)
     modeling_package = {"gemma3_text": "gemma3"}
-    layer_fields = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
-                    "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    layer_fields = (
+        "self_attn",
+        "mlp",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
     attention_fields = (*GQAFamilyAdapter.attention_fields, "q_norm", "k_norm")
     final_logit_softcapping = True  # Gemma3ForCausalLM.forward caps its logits after lm_head
     small_overrides = {"gemma3_text": dict(head_dim=32)}
@@ -34,8 +40,10 @@ class Gemma3Adapter(GQAFamilyAdapter):
                 f"every attention score, which harts' fused tree attention does not; set it to None"
             )
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("gemma3_text: use_bidirectional_attention (embedding models) is not causal; "
-                             "harts trains causal language models")
+            raise ValueError(
+                "gemma3_text: use_bidirectional_attention (embedding models) is not causal; "
+                "harts trains causal language models"
+            )
 
     def decoder_block(self, layer, hidden, mix, mlp):
         # as Gemma3DecoderLayer.forward: a norm before and after each sub-block
@@ -46,10 +54,16 @@ class Gemma3Adapter(GQAFamilyAdapter):
         from transformers import Gemma3TextConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        )  # fmt: skip
+        )
         return Gemma3TextConfig(**{**fields, **overrides})
 
 

@@ -24,10 +24,18 @@ class GptOssAdapter(GQAFamilyAdapter):
         from transformers import GptOssConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_theta=10000.0,
+        )
         return GptOssConfig(**{**fields, **overrides})
 
 

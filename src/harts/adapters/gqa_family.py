@@ -43,8 +43,10 @@ def _layer_type_attention(attn, x, ctx, layer_type: str, sinks: bool) -> torch.T
 def gqa_mixers(sinks: bool = False) -> dict:
     """The mixer table of the grouped-query-attention families: full and sliding layers on
     ``self_attn`` (with attention sinks: gpt_oss)."""
-    return {t: ("self_attn", partial(_layer_type_attention, layer_type=t, sinks=sinks))
-            for t in ("full_attention", "sliding_attention")}  # fmt: skip
+    return {
+        t: ("self_attn", partial(_layer_type_attention, layer_type=t, sinks=sinks))
+        for t in ("full_attention", "sliding_attention")
+    }
 
 
 def router_if_it_chooses(model_type: str, block: str, router: str) -> str | None:

@@ -33,11 +33,30 @@ from harts.adapters.mixers import gqa_attention, mamba2_mixer
 
 __all__ = ["GraniteMoeHybridAdapter", "granite_attention"]
 
-_LAYER = ("input_layernorm", "post_attention_layernorm", "shared_mlp", "block_sparse_moe",
-          "residual_multiplier")  # fmt: skip
-_MAMBA = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads",
-          "head_dim", "ssm_state_size", "intermediate_size", "n_groups", "conv_dim",
-          "time_step_limit")  # fmt: skip
+_LAYER = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "shared_mlp",
+    "block_sparse_moe",
+    "residual_multiplier",
+)
+_MAMBA = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm",
+    "out_proj",
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "intermediate_size",
+    "n_groups",
+    "conv_dim",
+    "time_step_limit",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")
 
 
@@ -104,13 +123,28 @@ class GraniteMoeHybridAdapter(FamilyAdapter):
         # mamba, attention, mamba; every layer with MoE and the shared MLP; non-trivial multipliers
         types = ["mamba", "attention", "mamba"]
         fields = dict(
-            TINY_COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=32, shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head="auto", mamba_d_conv=4,
-            mamba_chunk_size=8, mamba_conv_bias=True, position_embedding_type="rope",
-            embedding_multiplier=1.5, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+            TINY_COMMON,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_head="auto",
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            mamba_conv_bias=True,
+            position_embedding_type="rope",
+            embedding_multiplier=1.5,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
             layer_types=_layer_names(types),
-        )  # fmt: skip
+        )
         return GraniteMoeHybridConfig(**{**fields, **overrides})
 
 

@@ -41,8 +41,22 @@ from harts.ops.recurrence import GATED_LINEAR_ATTENTION
 __all__ = ["JambaAdapter", "jamba_attention", "jamba_mamba", "module_norms"]
 
 _LAYER = ("input_layernorm", "pre_ff_layernorm", "feed_forward")
-_MAMBA = ("in_proj", "conv1d", "act", "x_proj", "dt_layernorm", "b_layernorm", "c_layernorm", "dt_proj",
-          "A_log", "D", "out_proj", "time_step_rank", "ssm_state_size", "intermediate_size")  # fmt: skip
+_MAMBA = (
+    "in_proj",
+    "conv1d",
+    "act",
+    "x_proj",
+    "dt_layernorm",
+    "b_layernorm",
+    "c_layernorm",
+    "dt_proj",
+    "A_log",
+    "D",
+    "out_proj",
+    "time_step_rank",
+    "ssm_state_size",
+    "intermediate_size",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
 
@@ -141,12 +155,25 @@ class JambaAdapter(FamilyAdapter):
 
         # layers: mamba, attention + MoE, mamba, mamba + MoE
         fields = dict(
-            TINY_COMMON, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
-            expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
-            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_conv_bias=True,
-            mamba_proj_bias=True, tie_word_embeddings=False,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank="auto",
+            mamba_conv_bias=True,
+            mamba_proj_bias=True,
+            tie_word_embeddings=False,
+        )
         return JambaConfig(**{**fields, **overrides})
 
 

@@ -18,7 +18,8 @@ class KimiLinearAdapter(FamilyAdapter):
     mixers = {
         "full_attention": ("self_attn", partial(mla_attention, rope=False, head_gate=False)),
         "linear_attention": (
-            "self_attn", partial(kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x)))
+            "self_attn",
+            partial(kda_mixer, output_gate=lambda attn, x: attn.g_b_proj(attn.g_a_proj(x))),
         ),
     }
     stock_delta_rule_kernels = ("chunk_kimi_delta_attention",)
@@ -28,13 +29,26 @@ class KimiLinearAdapter(FamilyAdapter):
         from transformers import KimiLinearConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=32,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=24,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        )  # fmt: skip
+        )
         return KimiLinearConfig(**{**fields, **overrides})
 
 

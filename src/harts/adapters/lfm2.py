@@ -20,7 +20,7 @@ from harts.adapters.base import (
     hf_function,
     register,
     require,
-)  # fmt: skip
+)
 
 __all__ = ["Lfm2Adapter", "lfm2_attention", "lfm2_conv"]
 
@@ -83,11 +83,18 @@ class Lfm2Adapter(FamilyAdapter):
         from transformers import Lfm2Config
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, conv_bias=True,
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            norm_eps=1e-5,
+            conv_L_cache=3,
+            conv_bias=True,
             block_auto_adjust_ff_dim=False,
-            layer_types=["conv", "full_attention", "conv", "conv"], rope_theta=10000.0,
-        )  # fmt: skip
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            rope_theta=10000.0,
+        )
         fields.pop("rms_norm_eps")
         return Lfm2Config(**{**fields, **overrides})
 

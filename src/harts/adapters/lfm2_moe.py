@@ -43,12 +43,25 @@ class Lfm2MoeAdapter(Lfm2Adapter):
 
         # conv (dense MLP), attention + MoE, conv + MoE, conv + MoE
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, conv_bias=True,
-            num_dense_layers=1, num_experts=8, num_experts_per_tok=2, use_expert_bias=True,
-            routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=False,
-            layer_types=["conv", "full_attention", "conv", "conv"], rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            norm_eps=1e-5,
+            conv_L_cache=3,
+            conv_bias=True,
+            num_dense_layers=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            use_expert_bias=True,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            rope_theta=10000.0,
+        )
         fields.pop("rms_norm_eps")
         return Lfm2MoeConfig(**{**fields, **overrides})
 

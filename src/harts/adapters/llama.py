@@ -18,9 +18,13 @@ class LlamaLikeAdapter(FamilyAdapter):
         from transformers import LlamaConfig, Qwen3Config
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+        )
         if model_type == "qwen3":
             return Qwen3Config(**{**fields, "head_dim": 16, **overrides})
         return LlamaConfig(**{**fields, **overrides})

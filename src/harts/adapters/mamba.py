@@ -27,8 +27,19 @@ from harts.adapters.mamba2 import Mamba2Adapter
 
 __all__ = ["MambaAdapter"]
 
-MAMBA_MIXER = ("in_proj", "conv1d", "act", "x_proj", "dt_proj", "A_log", "D", "out_proj", "time_step_rank",
-               "ssm_state_size", "intermediate_size")  # fmt: skip
+MAMBA_MIXER = (
+    "in_proj",
+    "conv1d",
+    "act",
+    "x_proj",
+    "dt_proj",
+    "A_log",
+    "D",
+    "out_proj",
+    "time_step_rank",
+    "ssm_state_size",
+    "intermediate_size",
+)
 
 
 class MambaAdapter(Mamba2Adapter):
@@ -55,9 +66,17 @@ class MambaAdapter(Mamba2Adapter):
 
     def _tiny_fields(self) -> dict:
         fields = dict(
-            TINY_COMMON, num_hidden_layers=3, state_size=8, expand=2, conv_kernel=4, time_step_rank="auto",
-            use_conv_bias=True, use_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
-        )  # fmt: skip
+            TINY_COMMON,
+            num_hidden_layers=3,
+            state_size=8,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank="auto",
+            use_conv_bias=True,
+            use_bias=True,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False,
+        )
         fields.pop("rms_norm_eps")
         return fields
 

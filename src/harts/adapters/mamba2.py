@@ -21,9 +21,23 @@ from harts.adapters.mixers import mamba2_mixer
 __all__ = ["Mamba2Adapter", "MAMBA2_MIXER"]
 
 #: what :func:`~harts.adapters.mixers.mamba2_mixer` reads from a stock Mamba-2 mixer
-MAMBA2_MIXER = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads",
-                "head_dim", "ssm_state_size", "intermediate_size", "n_groups", "conv_dim",
-                "time_step_limit")  # fmt: skip
+MAMBA2_MIXER = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm",
+    "out_proj",
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "intermediate_size",
+    "n_groups",
+    "conv_dim",
+    "time_step_limit",
+)
 
 
 class _HeadInput:
@@ -72,10 +86,20 @@ class Mamba2Adapter(FamilyAdapter):
         from transformers import Mamba2Config
 
         fields = dict(
-            TINY_COMMON, num_hidden_layers=3, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2,
-            conv_kernel=4, chunk_size=8, use_conv_bias=True, use_bias=False, layer_norm_epsilon=1e-5,
+            TINY_COMMON,
+            num_hidden_layers=3,
+            num_heads=8,
+            head_dim=16,
+            expand=2,
+            state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            use_conv_bias=True,
+            use_bias=False,
+            layer_norm_epsilon=1e-5,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
         fields.pop("rms_norm_eps")
         return Mamba2Config(**{**fields, **overrides})
 

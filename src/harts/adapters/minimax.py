@@ -17,10 +17,26 @@ from harts.adapters.mixers import gqa_attention, lightning_mixer
 
 __all__ = ["MiniMaxAdapter"]
 
-_LAYER = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "attn_alpha_factor",
-          "attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")  # fmt: skip
-_LIGHTNING = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj", "num_attention_heads",
-              "head_dim")  # fmt: skip
+_LAYER = (
+    "self_attn",
+    "mlp",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "attn_alpha_factor",
+    "attn_beta_factor",
+    "mlp_alpha_factor",
+    "mlp_beta_factor",
+)
+_LIGHTNING = (
+    "qkv_proj",
+    "act_fn",
+    "slope_rate",
+    "norm",
+    "output_gate",
+    "out_proj",
+    "num_attention_heads",
+    "head_dim",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
 
@@ -65,13 +81,24 @@ class MiniMaxAdapter(FamilyAdapter):
         from transformers import MiniMaxConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+            TINY_COMMON,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            block_size=16,
             rope_theta=10000.0,
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-            full_attn_alpha_factor=1.3, full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.9,
-            linear_attn_beta_factor=1.2, mlp_alpha_factor=1.1, mlp_beta_factor=0.7,
-        )  # fmt: skip
+            full_attn_alpha_factor=1.3,
+            full_attn_beta_factor=0.8,
+            linear_attn_alpha_factor=0.9,
+            linear_attn_beta_factor=1.2,
+            mlp_alpha_factor=1.1,
+            mlp_beta_factor=0.7,
+        )
         return MiniMaxConfig(**{**fields, **overrides})
 
 

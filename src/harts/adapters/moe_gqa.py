@@ -27,10 +27,20 @@ class Qwen3MoeAdapter(GQAFamilyAdapter):
         from transformers import Qwen3MoeConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True, rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+            rope_theta=10000.0,
+        )
         return Qwen3MoeConfig(**{**fields, **overrides})
 
 
@@ -47,11 +57,24 @@ class Glm4MoeAdapter(GQAFamilyAdapter):
         from transformers import Glm4MoeConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
-            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-            partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_theta=10000.0,
+        )
         return Glm4MoeConfig(**{**fields, **overrides})
 
 

@@ -21,9 +21,23 @@ from harts.adapters.mixers import gqa_attention, mamba2_mixer
 
 __all__ = ["NemotronHAdapter"]
 
-_MAMBA = ("in_proj", "conv1d", "activation", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads",
-          "head_dim", "ssm_state_size", "intermediate_size", "n_groups", "conv_dim",
-          "time_step_limit")  # fmt: skip
+_MAMBA = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm",
+    "out_proj",
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "intermediate_size",
+    "n_groups",
+    "conv_dim",
+    "time_step_limit",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
 
@@ -42,11 +56,14 @@ class NemotronHAdapter(FamilyAdapter):
         "mlp": ("mixer", _token_wise),
         "moe": ("mixer", _token_wise),
     }
-    min_transformers = {"nemotron_h": (
-        "5.24.0", "the Mamba-2 scan of earlier versions carries states between chunks wrongly (on "
-                  "5.10.4 the logits of a 17-token sequence depend on chunk_size: 1.1e-3 apart at 8 "
-                  "and 64), so no training to be exact against exists there",
-    )}  # fmt: skip
+    min_transformers = {
+        "nemotron_h": (
+            "5.24.0",
+            "the Mamba-2 scan of earlier versions carries states between chunks wrongly (on "
+            "5.10.4 the logits of a 17-token sequence depend on chunk_size: 1.1e-3 apart at 8 "
+            "and 64), so no training to be exact against exists there",
+        )
+    }
 
     def check_config(self, config):
         if getattr(config, "sliding_window", None) is not None:
@@ -79,12 +96,26 @@ class NemotronHAdapter(FamilyAdapter):
         from transformers import NemotronHConfig
 
         fields = dict(
-            TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
-            chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, layer_norm_epsilon=1e-5,
+            TINY_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+            layer_norm_epsilon=1e-5,
             hybrid_override_pattern="M*EM-",
-        )  # fmt: skip
+        )
         fields.pop("rms_norm_eps")
         return NemotronHConfig(**{**fields, **overrides})
 

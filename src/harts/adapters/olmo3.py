@@ -24,10 +24,15 @@ class Olmo3Adapter(GQAFamilyAdapter):
         from transformers import Olmo3Config
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, sliding_window=4, rope_theta=10000.0,
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            rope_theta=10000.0,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        )  # fmt: skip
+        )
         return Olmo3Config(**{**fields, **overrides})
 
 

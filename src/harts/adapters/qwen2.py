@@ -16,9 +16,13 @@ class Qwen2Adapter(GQAFamilyAdapter):
 
     def tiny_config(self, model_type, **overrides):
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, rope_theta=10000.0,
-        )  # fmt: skip
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+        )
         if model_type == "qwen2":
             from transformers import Qwen2Config
 

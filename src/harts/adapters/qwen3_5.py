@@ -22,9 +22,23 @@ from harts.adapters.qwen3_5_vision import Qwen3_5VisionLanguage
 __all__ = ["Qwen3_5Adapter", "Qwen3_5MoeAdapter"]
 
 _GDN_ATTRIBUTES = (
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "activation", "A_log", "dt_bias",
-    "norm", "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-)  # fmt: skip
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "activation",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+)
 _ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
 _LAYER_ATTRIBUTES = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -69,13 +83,24 @@ class Qwen3_5Adapter(FamilyAdapter):
 
     def _fields(self):
         return dict(
-            TINY_COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                             "mrope_section": [2, 1, 1]},
+            TINY_COMMON,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+            },
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        )  # fmt: skip
+        )
 
     def tiny_config(self, model_type, **overrides):
         from transformers.models.qwen3_5 import Qwen3_5TextConfig
@@ -90,18 +115,24 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
     router_class = "Qwen3_5MoeTopKRouter"
     moe_balancing = MoEBalancing.AUX_LOSS
     vision_language = Qwen3_5VisionLanguage("qwen3_5_moe")
-    small_overrides = {"qwen3_5_moe": dict(
-        Qwen3_5Adapter.small_overrides["qwen3_5"], moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-    )}  # fmt: skip
+    small_overrides = {
+        "qwen3_5_moe": dict(
+            Qwen3_5Adapter.small_overrides["qwen3_5"],
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+    }
 
     def tiny_config(self, model_type, **overrides):
         from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
         fields = dict(
-            self._fields(), moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+            self._fields(),
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
             num_experts_per_tok=2,
-        )  # fmt: skip
+        )
         return Qwen3_5MoeTextConfig(**{**fields, **overrides})
 
 

@@ -19,9 +19,16 @@ __all__ = ["Qwen3_5VisionLanguage", "TINY_VISION"]
 # The tiny vision tower of the tests and benchmarks: two blocks, 32 wide, patches of 2 x 2 pixels
 # over 2 frames and 3 channels (rows of 24 values), 2 x 2 patches merged into one image token.
 TINY_VISION = dict(
-    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
-    temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
-)  # fmt: skip
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    in_channels=3,
+    patch_size=2,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=16,
+)
 # Their special tokens, at the top of the tiny 128-token vocabulary.
 TINY_TOKENS = dict(vision_start_token_id=122, vision_end_token_id=123, image_token_id=124, video_token_id=125)
 
@@ -69,8 +76,12 @@ class Qwen3_5VisionLanguage(VisionLanguage):
 
     def stock_inputs(self, config, input_ids, pixel_values, grid_thw) -> dict:
         mm_token_type_ids = (input_ids == self.image_token_id(config)).to(torch.int)
-        return {"input_ids": input_ids, "pixel_values": pixel_values, "image_grid_thw": grid_thw,
-                "mm_token_type_ids": mm_token_type_ids}  # fmt: skip
+        return {
+            "input_ids": input_ids,
+            "pixel_values": pixel_values,
+            "image_grid_thw": grid_thw,
+            "mm_token_type_ids": mm_token_type_ids,
+        }
 
     def image_features(self, model, pixel_values, grid_thw):
         out = model.model.get_image_features(pixel_values, grid_thw, return_dict=True)

@@ -21,21 +21,35 @@ class Qwen3NextAdapter(FamilyAdapter):
         "linear_attention": ("linear_attn", gdn_mixer),
     }
     stock_delta_rule_kernels = ("torch_chunk_gated_delta_rule",)
-    small_overrides = {"qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64,
-                                          head_dim=32)}  # fmt: skip
+    small_overrides = {
+        "qwen3_next": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=32)
+    }
 
     def tiny_config(self, model_type, **overrides):
         from transformers import Qwen3NextConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-            mlp_only_layers=[0], partial_rotary_factor=0.5, rope_theta=10000.0,
+            TINY_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            partial_rotary_factor=0.5,
+            rope_theta=10000.0,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        )  # fmt: skip
+        )
         return Qwen3NextConfig(**{**fields, **overrides})
 
 

@@ -38,8 +38,14 @@ def rollouts(args, vocab: int) -> list[harts.Rollout]:
     for t in trajectories:
         mask = torch.zeros(len(t), dtype=torch.long)
         mask[args.prompt :] = 1  # the completion is what the critic is trained on
-        out.append(harts.Rollout(t, loss_mask=mask, returns=torch.randn(len(t), generator=gen),
-                                 values=torch.randn(len(t), generator=gen)))  # fmt: skip
+        out.append(
+            harts.Rollout(
+                t,
+                loss_mask=mask,
+                returns=torch.randn(len(t), generator=gen),
+                values=torch.randn(len(t), generator=gen),
+            )
+        )
     return out
 
 
@@ -59,8 +65,12 @@ def main() -> None:
     critic = AutoModelForTokenClassification.from_config(config).eval()
     batch = rollouts(args, config.vocab_size)
     loss_config = harts.ValueLossConfig(clip=0.5)
-    variants = {"tree": (True, args.budget), f"flat@{args.budget}": (False, args.budget),
-                f"flat@{4 * args.budget}": (False, 4 * args.budget), "flat@whole": (False, None)}  # fmt: skip
+    variants = {
+        "tree": (True, args.budget),
+        f"flat@{args.budget}": (False, args.budget),
+        f"flat@{4 * args.budget}": (False, 4 * args.budget),
+        "flat@whole": (False, None),
+    }
     times: dict[str, list[float]] = {name: [] for name in variants}
     results = {}
     for repeat in range(args.repeats + 1):  # the first round warms up
@@ -77,18 +87,24 @@ def main() -> None:
     tree, flat = results["tree"][0], results[best][0]
     unique = sum(tree.tokens_per_micro_batch)
     flat_tokens = sum(flat.tokens_per_micro_batch)
-    print(f"{args.family} critic (hidden {config.hidden_size}), star: prompt {args.prompt}, "
-          f"{args.completions} x ~{args.completion}; budget {args.budget}; {args.threads} threads; "
-          f"{platform.processor() or platform.machine()}")  # fmt: skip
+    print(
+        f"{args.family} critic (hidden {config.hidden_size}), star: prompt {args.prompt}, "
+        f"{args.completions} x ~{args.completion}; budget {args.budget}; {args.threads} threads; "
+        f"{platform.processor() or platform.machine()}"
+    )
     print(f"tokens: flat {flat_tokens}, unique {unique} (R = {flat_tokens / unique:.2f})")
     for name in variants:
         r = results[name][0]
-        print(f"  {name:5s} value_step median {med[name]:.3f} s over {args.repeats} "
-              f"({r.num_micro_batches} micro-batches)")  # fmt: skip
+        print(
+            f"  {name:5s} value_step median {med[name]:.3f} s over {args.repeats} "
+            f"({r.num_micro_batches} micro-batches)"
+        )
     print(f"  best flat ({best}) / tree = {med[best] / med['tree']:.2f}x")
     grad_diff = (results["tree"][1] - results[best][1]).abs().max().item()
-    print(f"  |loss tree - flat| = {abs(tree.loss.item() - flat.loss.item()):.2e}, "
-          f"max |score grad tree - flat| = {grad_diff:.2e}")  # fmt: skip
+    print(
+        f"  |loss tree - flat| = {abs(tree.loss.item() - flat.loss.item()):.2e}, "
+        f"max |score grad tree - flat| = {grad_diff:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -179,12 +179,16 @@ def main():
         auto = plan_linear(forest, "auto", model)
         t_calls = time_plan(calls_plan, forest.num_tokens, args.repeats) * 1e3
         t_tree = time_plan(tree_plan, forest.num_tokens, args.repeats) * 1e3
-        est_calls, est_tree = model.plan(calls_plan) / 1e3, model.chunk_tree(
-            tree_plan.num_chunks, tree_plan.scan_steps, tree_plan.chunk_size) / 1e3
+        est_calls, est_tree = (
+            model.plan(calls_plan) / 1e3,
+            model.chunk_tree(tree_plan.num_chunks, tree_plan.scan_steps, tree_plan.chunk_size) / 1e3,
+        )
         picked = "tree" if auto.mode is PlanMode.TREE else "calls"
-        print(f"| {name} | {forest.num_tokens} | {est_calls:.0f} / {t_calls:.0f} "
-              f"| {est_tree:.0f} / {t_tree:.0f} (C={tree_plan.chunk_size}) | {picked} "
-              f"| {'tree' if t_tree < t_calls else 'calls'} |")
+        print(
+            f"| {name} | {forest.num_tokens} | {est_calls:.0f} / {t_calls:.0f} "
+            f"| {est_tree:.0f} / {t_tree:.0f} (C={tree_plan.chunk_size}) | {picked} "
+            f"| {'tree' if t_tree < t_calls else 'calls'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,19 @@ from harts.tiny import FAMILIES
 
 __all__ = ["gpu_test_files", "main", "table"]
 
-BENCH_ARGS = ["--shapes", "agentic", "paper_like", "--model-size", "small", "--repeats", "3",
-              "--no-memory", "--no-peers", "--scale", "0.05"]  # fmt: skip
+BENCH_ARGS = [
+    "--shapes",
+    "agentic",
+    "paper_like",
+    "--model-size",
+    "small",
+    "--repeats",
+    "3",
+    "--no-memory",
+    "--no-peers",
+    "--scale",
+    "0.05",
+]
 # the families whose linear layers the fla kernels run (Kimi Delta Attention, Gated DeltaNet), those the
 # installed transformers has
 BENCH_FAMILIES = tuple(f for f in ("bailing_hybrid", "qwen3_next") if f in FAMILIES)
@@ -101,18 +112,28 @@ def _bench_rows(out: Path) -> list[dict]:
 
 def table(results: dict) -> str:
     """The check as markdown: the stages, then tree against flat per backend, family and shape."""
-    tuning = {"first": "; each triton kernel at its first configuration, not autotuned",
-              "full": "; triton's autotuning"}[results["autotune"]]
+    tuning = {
+        "first": "; each triton kernel at its first configuration, not autotuned",
+        "full": "; triton's autotuning",
+    }[results["autotune"]]
     if results["device"] == "no CUDA device":  # no triton kernel runs
         tuning = ""
-    lines = [f"GPU check on {results['device']} (torch {results['torch']}{tuning})", "",
-             "| stage | status | seconds |", "|---|---|---:|"]  # fmt: skip
+    lines = [
+        f"GPU check on {results['device']} (torch {results['torch']}{tuning})",
+        "",
+        "| stage | status | seconds |",
+        "|---|---|---:|",
+    ]
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.0f} |" for s in results["stages"]]
     if results.get("verify"):
         from harts.bench.verify_families import table as verify_table
 
-        lines += ["", "Each family's step against the stock forward (RunConfig(verify=True)'s check):", "",
-                  verify_table(results["verify"]).rstrip("\n")]  # fmt: skip
+        lines += [
+            "",
+            "Each family's step against the stock forward (RunConfig(verify=True)'s check):",
+            "",
+            verify_table(results["verify"]).rstrip("\n"),
+        ]
     rows = [(backend, r) for backend, rs in results["bench"].items() for r in rs]
     if rows:
         head = "| backend | family | shape | R | FLOP-ideal | tree / best flat | share of ideal | flat best |"
@@ -129,11 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harts.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu-check", help="folder for gpu-check.json, gpu-check.md and the logs")
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds for the whole check")
-    p.add_argument("--autotune", choices=AUTOTUNE_MODES, default="first",
-                   help="triton's kernel tuning: each kernel's first configuration (the default: a fresh "
-                        "machine's full autotuning outlasts the time limit) or full (harts.bench.gpu_child)")
-    p.add_argument("--families", nargs="+", default=list(BENCH_FAMILIES), choices=FAMILIES,
-                   help="the benches' model families")
+    p.add_argument(
+        "--autotune",
+        choices=AUTOTUNE_MODES,
+        default="first",
+        help="triton's kernel tuning: each kernel's first configuration (the default: a fresh "
+        "machine's full autotuning outlasts the time limit) or full (harts.bench.gpu_child)",
+    )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=list(BENCH_FAMILIES),
+        choices=FAMILIES,
+        help="the benches' model families",
+    )
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.time_limit
     out = Path(a.out)
@@ -153,8 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # shares of the time left: a slow stage leaves time for the benches
         verify_json = out / "verify.json"
-        stage("verify", [*child, "harts.bench.verify_families", "--device", "cuda", "--backend", "fla",
-                         "--out", str(verify_json)], 0.3)  # fmt: skip
+        stage(
+            "verify",
+            [
+                *child,
+                "harts.bench.verify_families",
+                "--device",
+                "cuda",
+                "--backend",
+                "fla",
+                "--out",
+                str(verify_json),
+            ],
+            0.3,
+        )
         results["verify"] = json.loads(verify_json.read_text()) if verify_json.exists() else []
         stage("tests", [*pytest, "-m", "gpu", *gpu_test_files()], 0.3)
         stage("tests-kernels", [*pytest, "tests_kernels"], 0.35)

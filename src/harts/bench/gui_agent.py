@@ -123,8 +123,9 @@ def _median_seconds(model, runs: dict[str, tuple], repeats: int) -> dict[str, fl
 SMALL_VISION = dict(hidden_size=128, intermediate_size=256, num_heads=4)
 
 
-def measure(family: str, shape: GuiShape, budget: int | None = None, repeats: int = 3, size: str = "small"
-            ) -> dict:  # fmt: skip
+def measure(
+    family: str, shape: GuiShape, budget: int | None = None, repeats: int = 3, size: str = "small"
+) -> dict:
     """The tree and flat steps on ``shape``'s rollouts of a ``size`` (``small`` or ``tiny``)
     ``family`` multimodal model."""
     if size not in ("small", "tiny"):
@@ -148,14 +149,27 @@ def measure(family: str, shape: GuiShape, budget: int | None = None, repeats: in
     ideal = flops["flat"] / flops["tree"]
     achieved = min(seconds["flat"], seconds["flat_whole"]) / seconds["tree"]
     return dict(
-        family=family, size=size, shape=dataclasses.asdict(shape), budget=budget, trajectories=len(rollouts),
-        flat_tokens=tree.num_flat_tokens, unique_tokens=tree.num_tokens, redundancy=tree.redundancy,
-        images=flat.images.num_images, distinct_images=tree.images.num_images,
+        family=family,
+        size=size,
+        shape=dataclasses.asdict(shape),
+        budget=budget,
+        trajectories=len(rollouts),
+        flat_tokens=tree.num_flat_tokens,
+        unique_tokens=tree.num_tokens,
+        redundancy=tree.redundancy,
+        images=flat.images.num_images,
+        distinct_images=tree.images.num_images,
         image_redundancy=flat.images.num_images / tree.images.num_images,
-        tower_flops_tree=tower_flops(model, tree), tower_flops_flat=tower_flops(model, flat),
-        flops_tree=flops["tree"], flops_flat=flops["flat"], ideal_speedup=ideal, seconds=seconds,
-        achieved_speedup=achieved, fraction_of_ideal=achieved / ideal, threads=torch.get_num_threads(),
-    )  # fmt: skip
+        tower_flops_tree=tower_flops(model, tree),
+        tower_flops_flat=tower_flops(model, flat),
+        flops_tree=flops["tree"],
+        flops_flat=flops["flat"],
+        ideal_speedup=ideal,
+        seconds=seconds,
+        achieved_speedup=achieved,
+        fraction_of_ideal=achieved / ideal,
+        threads=torch.get_num_threads(),
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -166,12 +180,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tasks", type=int, default=defaults.tasks)
     parser.add_argument("--rollouts", type=int, default=defaults.rollouts_per_task)
     parser.add_argument("--turns", type=int, default=defaults.turns)
-    parser.add_argument("--grid", type=int, nargs=2, default=list(defaults.grid), metavar=("H", "W"),
-                        help="patches per screenshot (multiples of the merge size)")  # fmt: skip
+    parser.add_argument(
+        "--grid",
+        type=int,
+        nargs=2,
+        default=list(defaults.grid),
+        metavar=("H", "W"),
+        help="patches per screenshot (multiples of the merge size)",
+    )
     parser.add_argument("--budget", type=int, default=None, help="unique tokens per micro-batch")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--size", choices=("small", "tiny"), default="small",
-                        help="harts bench's small widths (default) or harts.tiny's")  # fmt: skip
+    parser.add_argument(
+        "--size",
+        choices=("small", "tiny"),
+        default="small",
+        help="harts bench's small widths (default) or harts.tiny's",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)

@@ -89,8 +89,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    overrides = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden, vocab_size=args.vocab,
-                     num_hidden_layers=args.layers)  # fmt: skip
+    overrides = dict(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        vocab_size=args.vocab,
+        num_hidden_layers=args.layers,
+    )
     config = tiny_config(args.family)
     grouped = hasattr(config, "num_key_value_heads") and hasattr(config, "head_dim")
     if grouped and not hasattr(config, "kv_lora_rank"):
@@ -105,13 +109,19 @@ def main(argv=None):
     t_stock, lp_stock = timed(stock, model, batch, weight, args.repeats)
     t_tree, lp_tree = timed(tree, model, batch, weight, args.repeats)
     diff = float((lp_stock - lp_tree)[completion].abs().max())
-    print(f"{args.family} hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
-          f"{args.threads} threads")  # fmt: skip
-    print(f"batch: {args.prompts} prompts x {args.generations} generations, prompt {args.prompt_len}, "
-          f"completion <= {args.completion_len}: padded {ids.numel()} slots, {flat} tokens, "
-          f"{unique} unique (flat / unique {flat / unique:.2f})")  # fmt: skip
-    print(f"stock forward+backward: {t_stock:.3f} s   harts: {t_tree:.3f} s   "
-          f"speedup {t_stock / t_tree:.2f}x   max |log-prob diff| {diff:.2e}")  # fmt: skip
+    print(
+        f"{args.family} hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
+        f"{args.threads} threads"
+    )
+    print(
+        f"batch: {args.prompts} prompts x {args.generations} generations, prompt {args.prompt_len}, "
+        f"completion <= {args.completion_len}: padded {ids.numel()} slots, {flat} tokens, "
+        f"{unique} unique (flat / unique {flat / unique:.2f})"
+    )
+    print(
+        f"stock forward+backward: {t_stock:.3f} s   harts: {t_tree:.3f} s   "
+        f"speedup {t_stock / t_tree:.2f}x   max |log-prob diff| {diff:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,17 @@ RUNS = {
 
 def _config(family: str, dtype: str, masters: bool, steps: int, lr: float):
     table = {
-        "seed": 0, "steps": steps, "threads": 1, "max_grad_norm": 1.0,
+        "seed": 0,
+        "steps": steps,
+        "threads": 1,
+        "max_grad_norm": 1.0,
         "model": {"tiny": family, "dtype": dtype},
         "data": {"path": str(ROOT / "examples" / "rollouts.jsonl"), "rollouts_per_step": 8},
         "objective": {"kind": "sft"},
         "optimizer": {"kind": "adamw", "lr": lr, "master_weights": masters},
         "checkpoint": {"every": 0},
         "logging": {"every": steps, "plot": False},
-    }  # fmt: skip
+    }
     return parse_config(table, ROOT)
 
 
@@ -74,8 +77,9 @@ def plot(losses: dict[str, list[float]], path: Path, title: str) -> None:
     for (name, values), style in zip(losses.items(), ("-o", "-s", "-^"), strict=True):
         steps = range(1, len(values) + 1)
         top.plot(steps, values, style, markersize=4, label=name)
-        bottom.plot(steps, [v - r for v, r in zip(values, reference, strict=True)], style, markersize=4,
-                    label=name)  # fmt: skip
+        bottom.plot(
+            steps, [v - r for v, r in zip(values, reference, strict=True)], style, markersize=4, label=name
+        )
     top.set_ylabel("SFT loss")
     top.set_title(title, fontsize=10)
     bottom.legend(loc="upper left")  # the top panel's peaks leave it no free corner

@@ -119,8 +119,11 @@ def _prefix_grouper_step(model, trajectories, prompt_len) -> Callable[[], torch.
     def step() -> torch.Tensor:
         with _attn_implementation(model, "prefix_grouper_attention"):
             logits = model(
-                input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                prefix_grouper=grouper, prefix_grouper_attn_func=_ATTN_NAME,
+                input_ids=ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                prefix_grouper=grouper,
+                prefix_grouper_attn_func=_ATTN_NAME,
             ).logits[0]
         loss = -_logprob_sum(logits, targets, rows)
         loss.backward()

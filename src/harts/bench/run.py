@@ -230,24 +230,46 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str]:
     p.add_argument("--out", default="bench-out", help="folder for results.json/.md and speedup.png")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny models and shapes, 1 repeat")
     p.add_argument("--budget", type=int, default=None, help="micro-batch token budget (tree and flat)")
-    p.add_argument("--linear-plan", choices=[m.value for m in PlanMode], default="auto",
-                   help="how linear-attention layers are cut into calls")
-    p.add_argument("--recompute-linear", action="store_true",
-                   help="recompute linear-attention calls in backward (less memory, more time)")
-    p.add_argument("--hold-tokens", type=_hold_tokens, default=RunConfig.hold_tokens,
-                   help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards): "
-                        "a count >= 0 or auto (the budget; default)")
-    p.add_argument("--flat-budgets", type=int, nargs="*", default=list(BenchConfig.flat_budgets),
-                   help="more budgets the flat layout runs at; the fastest flat run is the baseline")
+    p.add_argument(
+        "--linear-plan",
+        choices=[m.value for m in PlanMode],
+        default="auto",
+        help="how linear-attention layers are cut into calls",
+    )
+    p.add_argument(
+        "--recompute-linear",
+        action="store_true",
+        help="recompute linear-attention calls in backward (less memory, more time)",
+    )
+    p.add_argument(
+        "--hold-tokens",
+        type=_hold_tokens,
+        default=RunConfig.hold_tokens,
+        help="graph tokens cut-tree parts may hold for readers (more memory, fewer forwards): "
+        "a count >= 0 or auto (the budget; default)",
+    )
+    p.add_argument(
+        "--flat-budgets",
+        type=int,
+        nargs="*",
+        default=list(BenchConfig.flat_budgets),
+        help="more budgets the flat layout runs at; the fastest flat run is the baseline",
+    )
     p.add_argument("--step", choices=sorted(STEPS), default="forest_step")
-    p.add_argument("--backend", choices=["auto", *available_backends()], default="auto",
-                   help="kernels: torch (plain PyTorch), fla (CUDA, the gpu extra), auto (fla on CUDA "
-                        "where installed)")
+    p.add_argument(
+        "--backend",
+        choices=["auto", *available_backends()],
+        default="auto",
+        help="kernels: torch (plain PyTorch), fla (CUDA, the gpu extra), auto (fla on CUDA where installed)",
+    )
     a = p.parse_args(argv)
     run_config = RunConfig(
-        budget_tokens=a.budget, linear_plan=a.linear_plan, recompute_linear=a.recompute_linear,
-        hold_tokens=a.hold_tokens, backend=a.backend,
-    )  # fmt: skip
+        budget_tokens=a.budget,
+        linear_plan=a.linear_plan,
+        recompute_linear=a.recompute_linear,
+        hold_tokens=a.hold_tokens,
+        backend=a.backend,
+    )
     cfg = BenchConfig(
         shapes=tuple(a.shapes),
         families=tuple(a.families),

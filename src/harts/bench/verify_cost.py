@@ -62,13 +62,19 @@ def measure(family: str, shape: str, cfg: BenchConfig, budget: int | None, repea
     spans = sample_spans(forest)  # (trajectory, tokens kept), then brought within the prefix limit
     sample, _, _ = within_prefix([forest.trajectory(i)[:keep] for i, keep in spans], None)
     return {
-        "family": family, "shape": shape, "budget": budget,
-        "unique_tokens": forest.num_tokens, "flat_tokens": forest.num_flat_tokens,
-        "trajectories": forest.num_trajectories, "sample_trajectories": len(sample),
+        "family": family,
+        "shape": shape,
+        "budget": budget,
+        "unique_tokens": forest.num_tokens,
+        "flat_tokens": forest.num_flat_tokens,
+        "trajectories": forest.num_trajectories,
+        "sample_trajectories": len(sample),
         "sample_tokens": sum(t.numel() for t in sample),
-        "step_s": base, "verified_step_s": verified, "share": (verified - base) / base,
+        "step_s": base,
+        "verified_step_s": verified,
+        "share": (verified - base) / base,
         "times": times,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -42,8 +42,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROLES", "ChatTokens", "load_tokenizer", "check_messages", "tokenize_chat", "resembles",
-           "first_difference"]  # fmt: skip
+__all__ = [
+    "ROLES",
+    "ChatTokens",
+    "load_tokenizer",
+    "check_messages",
+    "tokenize_chat",
+    "resembles",
+    "first_difference",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 # the message keys harts reads; a key this close to one of them (and holding its kind of value) is

@@ -49,75 +49,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harts.data.chat import load_tokenizer, resembles, tokenize_chat
+from harts.data.chat import load_tokenizer, tokenize_chat
+from harts.data.field_names import CHAT_FIELDS, ROLLOUT_FIELDS, STEP_ANNOTATIONS, check_names
 from harts.data.rollout_images import IMAGE_FIELDS, ImageStore
 from harts.data.turns import TURNS_FIELDS, TURNS_MARKERS, ContextDriftWarning, check_turn, stitch_trajectory
 from harts.objectives.rollout import Rollout, validate_rollouts
 
 __all__ = [
-    "FileRollout", "iter_rollouts", "read_rollouts", "iter_rollout_steps", "iter_file_steps",
-    "ROLLOUT_FIELDS", "CHAT_FIELDS", "TURNS_FIELDS", "IMAGE_FIELDS", "STEP_ANNOTATIONS",
+    "FileRollout",
+    "iter_rollouts",
+    "read_rollouts",
+    "iter_rollout_steps",
+    "iter_file_steps",
+    "ROLLOUT_FIELDS",
+    "CHAT_FIELDS",
+    "TURNS_FIELDS",
+    "IMAGE_FIELDS",
+    "STEP_ANNOTATIONS",
     "ContextDriftWarning",
-]  # fmt: skip
+]
 
-ROLLOUT_FIELDS = (
-    "tokens", "loss_mask", "rollout_logprobs", "ref_logprobs", "advantages", "reward", "group_id",
-    "first_error_position", "routed_experts",
-)  # fmt: skip
-# the chat form's fields; the token form's per-position ones and first_error_position have no place there
-CHAT_FIELDS = ("messages", "tools", "advantages", "reward", "group_id")
 _TOKEN_ONLY = tuple(f for f in ROLLOUT_FIELDS if f not in CHAT_FIELDS)
-# the annotations every rollout of a step has, or none has (validate_rollouts refuses a mix)
-STEP_ANNOTATIONS = ("rollout_logprobs", "ref_logprobs", "advantages")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# whether a value could be the field's (a near-miss name with a value of another kind is metadata:
-# "n_tokens": 57 is a count, not the token ids)
-_FITS = {
-    "tokens": lambda v: isinstance(v, (list, tuple)),
-    "loss_mask": lambda v: isinstance(v, (list, tuple)),
-    "rollout_logprobs": lambda v: isinstance(v, (list, tuple)),
-    "ref_logprobs": lambda v: isinstance(v, (list, tuple)),
-    "advantages": lambda v: isinstance(v, (list, tuple)) or _number(v),
-    "reward": _number,
-    "group_id": lambda v: True,
-    "first_error_position": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "routed_experts": lambda v: isinstance(v, (list, tuple, str)),
-    "messages": lambda v: isinstance(v, (list, tuple, str)),
-    "tools": lambda v: isinstance(v, (list, tuple, str)),
-    "trajectory_id": lambda v: isinstance(v, (str, int)),
-    "turn": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "prompt_token_ids": lambda v: isinstance(v, (list, tuple)),
-    "completion_token_ids": lambda v: isinstance(v, (list, tuple)),
-    "completion_logprobs": lambda v: isinstance(v, (list, tuple)),
-    "images": lambda v: isinstance(v, (list, tuple, str)),
-    "image_file": lambda v: isinstance(v, str),
-}
-_FORM_FIELDS = {"tokens": (*ROLLOUT_FIELDS, *IMAGE_FIELDS), "chat": CHAT_FIELDS, "turns": TURNS_FIELDS}
-
-
-def _check_names(where: str, record: dict, form: str, cache: dict) -> None:
-    """Refuse a field named like one of the form's fields (absent from the line) with a value that fits it."""
-    known = _FORM_FIELDS[form]
-    if form == "tokens" and "tokens" not in record:
-        known = (*known, "messages")  # a misspelled 'messages' leaves a line without either
-    for name, value in record.items():
-        if name in known:
-            continue
-        key = (name, known)
-        if key not in cache:
-            cache[key] = resembles(name, known)
-        field = cache[key]
-        if field is not None and field not in record and (value is None or _FITS[field](value)):
-            raise _field_error(
-                where,
-                f"field {name!r}: not a field of the {form} form, but close to {field!r}, which this line "
-                f"lacks: rename it {field!r} (or, if it is metadata, to a name not this close to a field's)",
-            )
 
 
 @dataclass(frozen=True)
@@ -215,8 +167,9 @@ def _validated(where: str, rollout: Rollout, vocab_size: int | None) -> None:
         raise type(exc)(f"{where}{str(exc).removeprefix('trajectory 0')}") from None
 
 
-def _rollout(where: str, record: dict, vocab_size: int | None = None, images: ImageStore | None = None
-             ) -> FileRollout:  # fmt: skip
+def _rollout(
+    where: str, record: dict, vocab_size: int | None = None, images: ImageStore | None = None
+) -> FileRollout:
     if "tokens" not in record or record["tokens"] is None:
         raise _field_error(
             where, "field 'tokens': missing (every line needs its token ids, or 'messages' in the chat form)"
@@ -273,8 +226,9 @@ def _chat_rollout(where: str, record: dict, tokenizer: Any, vocab_size: int | No
         )
     reward, group = _reward_and_group(where, record)
     chat = tokenize_chat(record["messages"], tokenizer, tools=record.get("tools"), where=where)
-    rollout = Rollout(tokens=chat.tokens, loss_mask=chat.loss_mask, advantages=advantages, reward=reward,
-                      group_id=group)  # fmt: skip
+    rollout = Rollout(
+        tokens=chat.tokens, loss_mask=chat.loss_mask, advantages=advantages, reward=reward, group_id=group
+    )
     _validated(where, rollout, len(tokenizer) if vocab_size is None else vocab_size)
     metadata = {k: v for k, v in record.items() if k not in CHAT_FIELDS}
     return FileRollout(rollout, where, metadata, form="chat", mask_from=chat.mask_from)
@@ -316,10 +270,13 @@ class _Turns:
             self.key, self.group = key, group
             self.groups.add(key)
         if trajectory in self.seen and trajectory not in self.records:
-            raise _field_error(where, f"trajectory {trajectory!r}, field 'trajectory_id': trajectory "
-                                      f"{trajectory!r} also has records in another group or earlier "
-                                      f"({self.seen[trajectory]}); a trajectory's records stay within their "
-                                      f"group, the group's on consecutive lines")  # fmt: skip
+            raise _field_error(
+                where,
+                f"trajectory {trajectory!r}, field 'trajectory_id': trajectory "
+                f"{trajectory!r} also has records in another group or earlier "
+                f"({self.seen[trajectory]}); a trajectory's records stay within their "
+                f"group, the group's on consecutive lines",
+            )
         self.seen.setdefault(trajectory, where)
         first = self.records.setdefault(trajectory, [])
         if first and record.get("group_id") != first[0][1].get("group_id"):
@@ -335,8 +292,14 @@ class _Turns:
         for turns in records.values():
             for piece in stitch_trajectory(turns, self.group, self.split_drift):
                 _validated(piece.where, piece.rollout, self.vocab_size)
-                yield FileRollout(piece.rollout, piece.where, piece.metadata, form="turns",
-                                  piece=(piece.piece, piece.pieces), drift=piece.drift)  # fmt: skip
+                yield FileRollout(
+                    piece.rollout,
+                    piece.where,
+                    piece.metadata,
+                    form="turns",
+                    piece=(piece.piece, piece.pieces),
+                    drift=piece.drift,
+                )
 
 
 def iter_rollouts(
@@ -380,7 +343,7 @@ def iter_rollouts(
                 f"field {name!r}: this line is in the {form} form but {first[1]} is in the {first[0]} "
                 f"form; a file holds one form",
             )
-        _check_names(where, record, form, names)
+        check_names(where, record, form, names)
         _refuse_images(where, record, form)
         if form == "chat":
             yield _chat_rollout(where, record, tokenizer, vocab_size)

@@ -62,8 +62,10 @@ class ImageStore:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}, field 'images': not valid JSON ({exc.msg})") from None
         if not isinstance(images, (list, tuple)) or not images:
-            raise ValueError(f"{where}, field 'images': expected a non-empty list of "
-                             f'{{"key": ..., "grid": [t, h, w]}}, got {images!r:.80}')  # fmt: skip
+            raise ValueError(
+                f"{where}, field 'images': expected a non-empty list of "
+                f'{{"key": ..., "grid": [t, h, w]}}, got {images!r:.80}'
+            )
         file = self._file(where, record.get("image_file"))
         rows, grids = [], []
         for i, image in enumerate(images):
@@ -93,8 +95,9 @@ class ImageStore:
             or len(grid) != 3
             or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid)
         ):
-            raise ValueError(f"{at} (key {key!r}): 'grid' must be [t, h, w], three positive ints, "
-                             f"got {grid!r}")  # fmt: skip
+            raise ValueError(
+                f"{at} (key {key!r}): 'grid' must be [t, h, w], three positive ints, got {grid!r}"
+            )
         return key, list(grid)
 
     def _rows(self, at: str, file: Path, key: str, grid: list[int]) -> torch.Tensor:
@@ -104,17 +107,21 @@ class ImageStore:
             rows = self._load(at, file, key)
             self.read[(file, key)] = rows
         if rows.shape[0] != math.prod(grid):
-            raise ValueError(f"{at}: grid {grid} needs t * h * w = {math.prod(grid)} pixel rows, but "
-                             f"{file.name} holds {rows.shape[0]} under this key")  # fmt: skip
+            raise ValueError(
+                f"{at}: grid {grid} needs t * h * w = {math.prod(grid)} pixel rows, but "
+                f"{file.name} holds {rows.shape[0]} under this key"
+            )
         return rows
 
     def _load(self, at: str, file: Path, key: str) -> torch.Tensor:
         handle = self.files.get(file)
         if handle is None:
             if not file.is_file():
-                raise ValueError(f"{at}: no tensor file {file} (a line's images are read from "
-                                 f"<name>.images.safetensors beside the rollout file, or from its "
-                                 f"'image_file')")  # fmt: skip
+                raise ValueError(
+                    f"{at}: no tensor file {file} (a line's images are read from "
+                    f"<name>.images.safetensors beside the rollout file, or from its "
+                    f"'image_file')"
+                )
             from safetensors import safe_open
 
             try:
@@ -126,13 +133,17 @@ class ImageStore:
             raise ValueError(f"{at}: {file.name} holds no tensor {key!r}")
         rows = handle.get_tensor(key)
         if rows.ndim != 2 or not rows.is_floating_point():
-            raise ValueError(f"{at}: the pixel rows must be a 2-D float tensor [t * h * w, values per row], "
-                             f"got {tuple(rows.shape)} {rows.dtype}")  # fmt: skip
+            raise ValueError(
+                f"{at}: the pixel rows must be a 2-D float tensor [t * h * w, values per row], "
+                f"got {tuple(rows.shape)} {rows.dtype}"
+            )
         if not bool(torch.isfinite(rows).all()):
             raise ValueError(f"{at}: the pixel rows hold NaN or inf")
         if self.dtype is None:
             self.dtype = (rows.dtype, at)
         elif rows.dtype != self.dtype[0]:
-            raise ValueError(f"{at}: dtype {rows.dtype}, but {self.dtype[1]} is {self.dtype[0]}: "
-                             f"the images of a file share one dtype")  # fmt: skip
+            raise ValueError(
+                f"{at}: dtype {rows.dtype}, but {self.dtype[1]} is {self.dtype[0]}: "
+                f"the images of a file share one dtype"
+            )
         return rows

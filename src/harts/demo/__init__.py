@@ -96,8 +96,15 @@ def demo_model(seed: int = 0):
 
 def demo_trajectories(sizes: Sizes, seed: int = 0) -> list[list[int]]:
     """Two tasks, four rollouts each, over one shared system prompt."""
-    return agentic(system_len=sizes.system_len, num_tasks=2, rollouts_per_task=4, turns=sizes.turns,
-                   turn_len=sizes.turn_len, vocab_size=DEMO_MODEL["vocab_size"], seed=seed)  # fmt: skip
+    return agentic(
+        system_len=sizes.system_len,
+        num_tasks=2,
+        rollouts_per_task=4,
+        turns=sizes.turns,
+        turn_len=sizes.turn_len,
+        vocab_size=DEMO_MODEL["vocab_size"],
+        seed=seed,
+    )
 
 
 def parse_args(argv: list[str] | None) -> tuple[Sizes, argparse.Namespace]:
@@ -144,15 +151,21 @@ def run_demo(sizes: Sizes, seed: int) -> None:
     flat = harts.build_forest(trajectories, share_prefixes=False)
     rollouts = [harts.Rollout(t) for t in trajectories]
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {FAMILY} (Ling 3 architecture), {params / 1e6:.2f}M parameters, "
-          f"layers {model.config.layer_types}")  # fmt: skip
+    print(
+        f"model: {FAMILY} (Ling 3 architecture), {params / 1e6:.2f}M parameters, "
+        f"layers {model.config.layer_types}"
+    )
     print(f"forest: {tree.describe()}")
     longer = "" if sizes == FULL else "; --full for the longer measurement"
-    print(f"redundancy (flat / unique tokens): {tree.redundancy:.2f}; "
-          f"tree budget {sizes.budget} unique tokens{longer}")  # fmt: skip
+    print(
+        f"redundancy (flat / unique tokens): {tree.redundancy:.2f}; "
+        f"tree budget {sizes.budget} unique tokens{longer}"
+    )
 
-    print(f"\n1. exactness: harts' tree step against stock Hugging Face, each of the {len(rollouts)} "
-          "trajectories alone through model(input_ids), fp32")  # fmt: skip
+    print(
+        f"\n1. exactness: harts' tree step against stock Hugging Face, each of the {len(rollouts)} "
+        "trajectories alone through model(input_ids), fp32"
+    )
     comparison = compare_with_stock(model, rollouts, sizes.budget)
     print("\n".join(comparison.report()))
     if not comparison.passed:

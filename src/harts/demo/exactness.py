@@ -79,23 +79,30 @@ class StockComparison:
             f"bound {GRAD_RTOL:.0e} relative: {verdict[self.gradients_pass]}",
         ]
         for name, (error, bound) in self.by_truth.items():
-            lines.append(f"    {name} misses {GRAD_RTOL:.0e} against stock fp32; against stock fp64 harts is "
-                         f"{error:.1e} off, bound {bound:.1e} (2 x stock fp32's own error): "
-                         f"{verdict[error <= bound]}")  # fmt: skip
+            lines.append(
+                f"    {name} misses {GRAD_RTOL:.0e} against stock fp32; against stock fp64 harts is "
+                f"{error:.1e} off, bound {bound:.1e} (2 x stock fp32's own error): "
+                f"{verdict[error <= bound]}"
+            )
         lines.append(f"exactness: {verdict[self.passed]}")
         return lines
 
 
 def relative_errors(got: dict, reference: dict) -> dict[str, float]:
     """``||got - reference|| / max(||reference||, GRAD_FLOOR)`` per parameter."""
-    return {name: float((got[name] - r).norm()) / max(float(r.norm()), GRAD_FLOOR)
-            for name, r in reference.items()}  # fmt: skip
+    return {
+        name: float((got[name] - r).norm()) / max(float(r.norm()), GRAD_FLOOR)
+        for name, r in reference.items()
+    }
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
     """Each parameter's gradient by name, fp64 (zeros where none); the model's gradients cleared."""
-    out = {n: p.grad.detach().double() if p.grad is not None else torch.zeros(p.shape, dtype=torch.float64)
-           for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+    out = {
+        n: p.grad.detach().double() if p.grad is not None else torch.zeros(p.shape, dtype=torch.float64)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -141,8 +148,9 @@ def fp64_copy(model):
     return truth.double()
 
 
-def judge_by_truth(model, rollouts, missed: list[str], tree: dict,
-                   stock: dict) -> dict[str, tuple[float, float]]:  # fmt: skip
+def judge_by_truth(
+    model, rollouts, missed: list[str], tree: dict, stock: dict
+) -> dict[str, tuple[float, float]]:
     """For the parameters that missed ``GRAD_RTOL`` against stock fp32: (harts' relative distance to
     the stock fp64 gradient, ``max(GRAD_RTOL, 2 x stock fp32's distance)``)."""
     if not missed:

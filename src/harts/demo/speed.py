@@ -67,15 +67,18 @@ def speedup_verdict(speedup: float, ideal: float) -> str:
     """The speed headline: the measured speedup next to the FLOP-ideal, or, when the measurement
     exceeds the ideal, a warning that the baseline's timing is noisy or weak, with no figure."""
     if speedup > ideal:
-        return (f"warning: the tree measured faster than its FLOP-ideal {ideal:.2f}x over flat, more than "
-                "computing each shared token once can save: the flat baseline's timing is noisy or weak "
-                "here (a busy machine, too few repeats), so this run claims no speedup; rerun on a quiet "
-                "machine, or with more --repeats")  # fmt: skip
+        return (
+            f"warning: the tree measured faster than its FLOP-ideal {ideal:.2f}x over flat, more than "
+            "computing each shared token once can save: the flat baseline's timing is noisy or weak "
+            "here (a busy machine, too few repeats), so this run claims no speedup; rerun on a quiet "
+            "machine, or with more --repeats"
+        )
     return f"speedup against flat at its fastest budget: {speedup:.2f}x (FLOP-ideal {ideal:.2f}x)"
 
 
-def report_speed(model, rollouts, tree: harts.Forest, flat: harts.Forest, budget: int,
-                 repeats: int) -> int | None:  # fmt: skip
+def report_speed(
+    model, rollouts, tree: harts.Forest, flat: harts.Forest, budget: int, repeats: int
+) -> int | None:
     """Time the tree step and the flat variants, print the table and the verdict; returns the
     budget of the fastest flat variant (None: one micro-batch)."""
     variants = flat_variants(budget, flat)

@@ -16,8 +16,9 @@ SFT = harts.PolicyLossConfig(kind="sft")  # token-mean cross entropy over every 
 
 def step_fn(model, rollouts, share_prefixes: bool, budget: int | None):
     """One SFT step (forward and backward) of the rollouts in one layout, as a callable."""
-    return lambda: harts.rollout_step(model, rollouts, SFT, budget_tokens=budget,
-                                      share_prefixes=share_prefixes)  # fmt: skip
+    return lambda: harts.rollout_step(
+        model, rollouts, SFT, budget_tokens=budget, share_prefixes=share_prefixes
+    )
 
 
 def train(model, rollouts, share_prefixes: bool, budget: int | None, steps: int, seed: int) -> list[float]:
@@ -34,8 +35,9 @@ def train(model, rollouts, share_prefixes: bool, budget: int | None, steps: int,
     return losses
 
 
-def report_training(model, rollouts, tree_budget: int, flat_budget: int | None, steps: int,
-                    seed: int) -> None:  # fmt: skip
+def report_training(
+    model, rollouts, tree_budget: int, flat_budget: int | None, steps: int, seed: int
+) -> None:
     """``steps`` AdamW steps from the same seed in both layouts, the losses side by side. They agree
     to fp32 rounding; the weights are not compared, because AdamW moves an element whose gradient
     sits at rounding level by a rounding-dependent fraction of lr whatever its size, so the first
@@ -46,6 +48,8 @@ def report_training(model, rollouts, tree_budget: int, flat_budget: int | None, 
     for n, (lt, lf) in enumerate(zip(tree_loss, flat_loss, strict=True), start=1):
         print(f"{n:>4}   {lt:<13.7f}  {lf:<13.7f}")
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(tree_loss, flat_loss, strict=True))
-    print(f"max loss relative diff over {steps} AdamW steps: {loss_diff:.1e} (AdamW divides each "
-          "element's update by its gradient's size, so rounding of near-zero gradients grows step by "
-          "step; the one-step gradients in 1. are the exact comparison)")  # fmt: skip
+    print(
+        f"max loss relative diff over {steps} AdamW steps: {loss_diff:.1e} (AdamW divides each "
+        "element's update by its gradient's size, so rounding of near-zero gradients grows step by "
+        "step; the one-step gradients in 1. are the exact comparison)"
+    )

@@ -51,9 +51,16 @@ from harts.runtime.result import replace_result
 from harts.steps.policy import forest_step, step_inputs
 
 __all__ = [
-    "StdMode", "group_advantages", "BatchLogprobs", "batch_logprobs", "BatchStepResult", "batch_step",
-    "MASK_FIELDS", "OLD_FIELDS", "REF_FIELDS",
-]  # fmt: skip
+    "StdMode",
+    "group_advantages",
+    "BatchLogprobs",
+    "batch_logprobs",
+    "BatchStepResult",
+    "batch_step",
+    "MASK_FIELDS",
+    "OLD_FIELDS",
+    "REF_FIELDS",
+]
 
 Tensor = torch.Tensor
 
@@ -95,8 +102,10 @@ def group_advantages(rewards, group_ids, std: StdMode = StdMode.SAMPLE, eps: flo
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"trajectory {i}: reward is {float(rewards[i])}")
     ids: dict = {}
-    group = torch.tensor([ids.setdefault(g.item() if isinstance(g, Tensor) else g, len(ids))
-                          for g in group_ids], dtype=torch.long)  # fmt: skip
+    group = torch.tensor(
+        [ids.setdefault(g.item() if isinstance(g, Tensor) else g, len(ids)) for g in group_ids],
+        dtype=torch.long,
+    )
     count = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, group, torch.ones_like(rewards))
     mean = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, group, rewards) / count
     centered = rewards - mean[group]
@@ -135,7 +144,7 @@ def _widen(values, name: str, shape: tuple[int, ...], fill=0) -> tuple[Tensor, i
             f", or [B, R] = [{shape[0]}, R < {shape[1]}] for the last R columns (the response)"
             if len(shape) == 2
             else ""
-        )  # fmt: skip
+        )
     )
 
 
@@ -150,15 +159,19 @@ def _scored_positions(layout: BatchLayout, mask: Tensor | None, name: str) -> li
             or not bool(((mask == 0) | (mask == 1)).all())
         ):
             bad = ~((mask == 0) | (mask == 1))
-            raise ValueError(f"{name} must hold 0/1 or booleans, got {mask[bad][0].item()!r} "
-                             f"at flat index {int(bad.reshape(-1).nonzero()[0, 0])}")  # fmt: skip
+            raise ValueError(
+                f"{name} must hold 0/1 or booleans, got {mask[bad][0].item()!r} "
+                f"at flat index {int(bad.reshape(-1).nonzero()[0, 0])}"
+            )
         mask = mask == 1
     out = []
     for b, m in enumerate(layout.split(mask.cpu(), name)):
         m = m.numpy()
         if m.size and m[0]:
-            raise ValueError(f"trajectory {b}, position 0: {name} is set on the first token, which nothing "
-                             f"predicts (a sequence needs at least one prompt token)")  # fmt: skip
+            raise ValueError(
+                f"trajectory {b}, position 0: {name} is set on the first token, which nothing "
+                f"predicts (a sequence needs at least one prompt token)"
+            )
         out.append(np.flatnonzero(m))
     return out
 
@@ -297,13 +310,15 @@ def batch_step(
     if batch.get("input_ids") is None:
         raise ValueError("the batch needs input_ids")
     input_ids = _as_tensor(batch["input_ids"], "input_ids")
-    layout = batch_layout(input_ids, batch.get("attention_mask"), batch.get("cu_seqlens"),
-                          batch.get("position_ids"))  # fmt: skip
+    layout = batch_layout(
+        input_ids, batch.get("attention_mask"), batch.get("cu_seqlens"), batch.get("position_ids")
+    )
     shape = tuple(layout.shape)
     mask, width = _widen(_field(batch, MASK_FIELDS, required=True), "response_mask", shape)
     positions = _scored_positions(layout, mask, "response_mask")
-    per_token = {"loss_mask": [np.isin(np.arange(i.size), p) for i, p in zip(layout.index, positions,
-                                                                          strict=True)]}  # fmt: skip
+    per_token = {
+        "loss_mask": [np.isin(np.arange(i.size), p) for i, p in zip(layout.index, positions, strict=True)]
+    }
     for key, names in (("rollout_logprobs", OLD_FIELDS), ("ref_logprobs", REF_FIELDS)):
         values = _field(batch, names)
         if values is not None:
@@ -322,8 +337,9 @@ def batch_step(
         raise ValueError(
             f"loss_scale_factor applies to seq-mean-token-sum-norm only, not {config.aggregation}"
         )
-    result = forest_step(model, forest, rows, config, normalizers=normalizers, budget_tokens=budget_tokens,
-                         run=run)  # fmt: skip
+    result = forest_step(
+        model, forest, rows, config, normalizers=normalizers, budget_tokens=budget_tokens, run=run
+    )
     result = replace_result(result, batch_layout=layout)
 
     def back(values: Tensor) -> Tensor:

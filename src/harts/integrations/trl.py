@@ -95,14 +95,29 @@ Tensor = torch.Tensor
 
 # multimodal inputs TRL may pass; harts runs text-only causal LMs
 _VISION = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)  # fmt: skip
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 # accelerate's distributed types whose model is a plain module or a DDP wrapper
 _DDP_TYPES = (
-    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+    "MULTI_XPU",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
     "MULTI_HPU",
-)  # fmt: skip
+)
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -157,8 +172,14 @@ class GRPOTrainer(trl.GRPOTrainer):
     :class:`harts.VerificationError` when harts is off, docs/verification.md; False skips it).
     """
 
-    def __init__(self, *args, harts_run: RunConfig | None = None, share_prefixes: bool = True,
-                 harts_verify: bool = True, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        *args,
+        harts_run: RunConfig | None = None,
+        share_prefixes: bool = True,
+        harts_verify: bool = True,
+        **kwargs,
+    ):
         self.harts_run = RunConfig.resolve(harts_run)
         self.share_prefixes = bool(share_prefixes)
         self._verify_every_step = self.harts_run.verify  # verify=True in harts_run: every step
@@ -270,8 +291,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         error = None
         try:
             with self._autocast():
-                verify_training(module, rows.forest, self.harts_run, self.temperature, None, False,
-                                "TRL's GRPOTrainer step")  # fmt: skip
+                verify_training(
+                    module,
+                    rows.forest,
+                    self.harts_run,
+                    self.temperature,
+                    None,
+                    False,
+                    "TRL's GRPOTrainer step",
+                )
         except VerificationError as exc:
             error = str(exc)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -316,9 +344,15 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             with self._autocast(), observer.recorder if observer is not None else contextlib.nullcontext():
                 self._harts_result = forest_backward(
-                    module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
-                    observer=observer, temperature=self.temperature,
-                )  # fmt: skip
+                    module,
+                    rows.forest,
+                    rows.predictor,
+                    rows.target,
+                    loss_fn,
+                    run=self.harts_run,
+                    observer=observer,
+                    temperature=self.temperature,
+                )
         self._harts_redundancy = rows.forest.redundancy
         return seen["loss"].clone()
 
@@ -377,8 +411,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._harts_supplied is not None:
             logps, entropies, aux = self._harts_supplied
             if tuple(logps.shape) != (input_ids.shape[0], logits_to_keep):
-                raise ValueError(f"harts' step has log-probs of shape {tuple(logps.shape)}, TRL asks for "
-                                 f"{(input_ids.shape[0], logits_to_keep)}")  # fmt: skip
+                raise ValueError(
+                    f"harts' step has log-probs of shape {tuple(logps.shape)}, TRL asks for "
+                    f"{(input_ids.shape[0], logits_to_keep)}"
+                )
             if compute_aux_loss and aux is None:
                 raise ValueError("TRL asks for the MoE aux loss, which harts' step did not record")
             return logps, entropies if compute_entropy else None, aux if compute_aux_loss else None
@@ -395,9 +431,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         recorder = RouterRecorder(_base_model(model)) if compute_aux_loss else None
         with self._autocast(), recorder if recorder is not None else contextlib.nullcontext():
             out = batch_logprobs(
-                model, input_ids, attention_mask, score_mask=_completion_mask(attention_mask, logits_to_keep),
-                temperature=self.temperature, share_prefixes=self.share_prefixes, run=run,
-            )  # fmt: skip
+                model,
+                input_ids,
+                attention_mask,
+                score_mask=_completion_mask(attention_mask, logits_to_keep),
+                temperature=self.temperature,
+                share_prefixes=self.share_prefixes,
+                run=run,
+            )
         self._harts_redundancy = out.forest.redundancy
         logps = out.logprobs[:, -logits_to_keep:]
         entropies = out.entropies[:, -logits_to_keep:] if compute_entropy else None

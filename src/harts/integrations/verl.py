@@ -111,9 +111,13 @@ def model_output(
     # every position but each sequence's first gets its (target-indexed) log-prob, then the roll by
     # one puts it on its predictor; the first token's 0 lands on the previous sequence's last slot
     out = batch_logprobs(
-        model, input_ids.values(), cu_seqlens=offsets.cpu(), temperature=temperature,
-        share_prefixes=share_prefixes, run=run,
-    )  # fmt: skip
+        model,
+        input_ids.values(),
+        cu_seqlens=offsets.cpu(),
+        temperature=temperature,
+        share_prefixes=share_prefixes,
+        run=run,
+    )
 
     def jagged(values: Tensor) -> Tensor:
         rolled = torch.roll(values, -1)
@@ -171,8 +175,9 @@ def _engine_class() -> type:
             return _NextTokenRows(micro_batch, self.harts_share_prefixes)
 
         def _harts_output(self, micro_batch) -> dict[str, Tensor]:
-            return model_output(self.module, micro_batch, run=self.harts_run,
-                                share_prefixes=self.harts_share_prefixes)  # fmt: skip
+            return model_output(
+                self.module, micro_batch, run=self.harts_run, share_prefixes=self.harts_share_prefixes
+            )
 
     _ENGINE.append(HartsFSDPEngine)
     return HartsFSDPEngine

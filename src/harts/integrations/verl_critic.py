@@ -116,8 +116,9 @@ def _engine_class() -> type:
             return _ValueRows(micro_batch, self.harts_share_prefixes)
 
         def _harts_output(self, micro_batch) -> dict[str, Tensor]:
-            return value_output(self.module, micro_batch, run=self.harts_run,
-                                share_prefixes=self.harts_share_prefixes)  # fmt: skip
+            return value_output(
+                self.module, micro_batch, run=self.harts_run, share_prefixes=self.harts_share_prefixes
+            )
 
         def _check_harts_module(self, module: nn.Module) -> None:
             scalar_head(resolve_model(module), _WHAT)

@@ -124,8 +124,9 @@ class Rows:
         self.offsets = input_ids.offsets()
         self.lengths = self.offsets.diff().cpu().tolist()
         self.starts = self.offsets[:-1].cpu().tolist()
-        self.forest = build_forest(list(torch.split(input_ids.values().cpu(), self.lengths)),
-                                   share_prefixes=share_prefixes)  # fmt: skip
+        self.forest = build_forest(
+            list(torch.split(input_ids.values().cpu(), self.lengths)), share_prefixes=share_prefixes
+        )
         self.total = int(self.offsets[-1])
 
     def readout(self, model: nn.Module) -> Readout | None:
@@ -331,9 +332,16 @@ class HartsEngine:
             return loss * scale
 
         result = forest_backward(
-            module, rows.forest, rows.predictor, rows.target, loss_fn, run=self.harts_run,
-            temperature=rows.temperature, sharded=sharded, readout=rows.readout(resolve_model(module)),
-        )  # fmt: skip
+            module,
+            rows.forest,
+            rows.predictor,
+            rows.target,
+            loss_fn,
+            run=self.harts_run,
+            temperature=rows.temperature,
+            sharded=sharded,
+            readout=rows.readout(resolve_model(module)),
+        )
         output = rows.output(result.logprob, result.entropy)
         return {"model_output": output, "loss": float(seen["loss"]), "metrics": seen["metrics"]}
 

@@ -31,10 +31,20 @@ from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 
 __all__ = [
-    "grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "tree_node_values", "tree_advantages",
-    "pitfall_advantages", "gae_advantages", "AdvantageEstimator", "ADVANTAGE_ESTIMATORS", "EstimatorEntry",
-    "estimate_advantages", "with_advantages", "advantages_to_rollouts",
-]  # fmt: skip
+    "grpo_advantages",
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "tree_node_values",
+    "tree_advantages",
+    "pitfall_advantages",
+    "gae_advantages",
+    "AdvantageEstimator",
+    "ADVANTAGE_ESTIMATORS",
+    "EstimatorEntry",
+    "estimate_advantages",
+    "with_advantages",
+    "advantages_to_rollouts",
+]
 
 Tensor = torch.Tensor
 
@@ -186,8 +196,9 @@ def gae_advantages(
     elsewhere. Computed in fp64, returned in the rows' dtype on their device.
     """
     if not rows.has_rollout_value:
-        raise ValueError("gae needs the critic's rollout-time values: give the rollouts values "
-                         "(harts.forward_values)")  # fmt: skip
+        raise ValueError(
+            "gae needs the critic's rollout-time values: give the rollouts values (harts.forward_values)"
+        )
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae needs 0 <= gamma <= 1 and 0 <= lam <= 1, got gamma={gamma}, lam={lam}")
     traj = rows.trajectory.cpu()
@@ -200,12 +211,16 @@ def gae_advantages(
         token_rewards[starts[1:][has_rows] - 1] = reward[has_rows]
     else:
         if not isinstance(token_rewards, Tensor) or token_rewards.shape != (num_rows,):
-            raise ValueError(f"token_rewards must be a tensor [R] = ({num_rows},), got "
-                             f"{tuple(getattr(token_rewards, 'shape', ()))}")  # fmt: skip
+            raise ValueError(
+                f"token_rewards must be a tensor [R] = ({num_rows},), got "
+                f"{tuple(getattr(token_rewards, 'shape', ()))}"
+            )
         if not bool(torch.isfinite(token_rewards).all()):
             bad = int((~torch.isfinite(token_rewards)).nonzero()[0, 0])
-            raise ValueError(f"trajectory {int(traj[bad])}, position {int(rows.position[bad])}: "
-                             f"token reward is {float(token_rewards[bad])}")  # fmt: skip
+            raise ValueError(
+                f"trajectory {int(traj[bad])}, position {int(rows.position[bad])}: "
+                f"token reward is {float(token_rewards[bad])}"
+            )
         token_rewards = token_rewards.detach().cpu().double()
     values = rows.rollout_value.detach().cpu().double()
     # rows as a right-padded [B, T] grid, swept backwards in one vectorised loop over T

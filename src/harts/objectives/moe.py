@@ -33,9 +33,14 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "load_balancing_loss", "routing_sums", "aux_loss_from_sums", "expert_counts", "bias_update",
-    "MoEConfig", "MoEStats",
-]  # fmt: skip
+    "load_balancing_loss",
+    "routing_sums",
+    "aux_loss_from_sums",
+    "expert_counts",
+    "bias_update",
+    "MoEConfig",
+    "MoEStats",
+]
 
 Tensor = torch.Tensor
 

@@ -42,8 +42,9 @@ class ValueLossConfig:
     aggregation: Aggregation = Aggregation.TOKEN_MEAN
 
     def __post_init__(self):
-        if self.clip is not None and not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip)
-                                          and self.clip > 0):  # fmt: skip
+        if self.clip is not None and not (
+            isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0
+        ):
             raise ValueError(f"ValueLossConfig.clip must be a finite number > 0 or None, got {self.clip!r}")
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
 

@@ -30,9 +30,15 @@ from dataclasses import dataclass, field
 from harts.ops.tree_attention import tree_attention
 
 __all__ = [
-    "Backend", "register_backend", "use_backend", "current_backend", "available_backends", "resolve_backend",
-    "gpu_extra_installed", "temporary_backend",
-]  # fmt: skip
+    "Backend",
+    "register_backend",
+    "use_backend",
+    "current_backend",
+    "available_backends",
+    "resolve_backend",
+    "gpu_extra_installed",
+    "temporary_backend",
+]
 
 
 @dataclass(frozen=True)

@@ -72,19 +72,23 @@ def require_fla() -> None:
 
 def _check_delta_inputs(q, k, v, g, beta, initial_state, lengths, output_states_at):
     if k.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"expected q, k [B, T, H, K] of one shape, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+        raise ValueError(
+            f"expected q, k [B, T, H, K] of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     B, T, H, K = k.shape
     if g.shape not in ((B, T, H), (B, T, H, 1), (B, T, H, K)):
-        raise ValueError(f"expected g [B={B}, T={T}, H={H}, K={K}] or per head [B, T, H] / [B, T, H, 1], "
-                         f"got {tuple(g.shape)}")
+        raise ValueError(
+            f"expected g [B={B}, T={T}, H={H}, K={K}] or per head [B, T, H] / [B, T, H, 1], "
+            f"got {tuple(g.shape)}"
+        )
     if v.dim() != 4 or v.shape[:3] != (B, T, H):
         raise ValueError(f"expected v [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
         raise ValueError(f"expected beta [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
-        raise ValueError(f"expected initial_state [B={B}, H={H}, K={K}, V={v.shape[-1]}], "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"expected initial_state [B={B}, H={H}, K={K}, V={v.shape[-1]}], got {tuple(initial_state.shape)}"
+        )
     if lengths is not None and (lengths.shape != (B,) or bool(((lengths < 0) | (lengths > T)).any())):
         raise ValueError(f"lengths must be [B={B}] in [0, T={T}], got {lengths.tolist()}")
     if output_states_at is not None and (output_states_at.dim() != 2 or output_states_at.shape[0] != B):
@@ -120,12 +124,19 @@ def fla_delta_rule(
         initial_state = torch.zeros(B, H, K, V, dtype=torch.float32, device=k.device)
     # Each segment's cut points: 0, the requested inner offsets, its length. A piece runs between two.
     at = None if output_states_at is None else output_states_at.tolist()
-    cuts = [sorted({0, n} | ({min(max(int(a), 0), n) for a in at[b]} if at is not None else set()))
-            for b, n in enumerate(lens)]
+    cuts = [
+        sorted({0, n} | ({min(max(int(a), 0), n) for a in at[b]} if at is not None else set()))
+        for b, n in enumerate(lens)
+    ]
     per_head = head_gate(g, k)
     gate = g.reshape(B * T, H, K) if per_head is None else per_head.reshape(B * T, H)
-    flat = (q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, H, V), gate,
-            beta.reshape(B * T, H))
+    flat = (
+        q.reshape(B * T, H, K),
+        k.reshape(B * T, H, K),
+        v.reshape(B * T, H, V),
+        gate,
+        beta.reshape(B * T, H),
+    )
     state = list(initial_state.float().unbind(0))
     reached = [{0: state[b]} for b in range(B)]  # state after c tokens, per cut c
     rows, outs = [], []
@@ -136,8 +147,13 @@ def fla_delta_rule(
             continue
         idx = torch.cat([torch.arange(b * T + s, b * T + e) for b, s, e in pieces]).to(k.device)
         seqlens = torch.tensor([0] + [e - s for _, s, e in pieces]).cumsum(0)
-        o, final = _run_packed(*(x[idx][None] for x in flat), torch.stack([state[b] for b, _, _ in pieces]),
-                               seqlens, scale, per_head=per_head is not None)
+        o, final = _run_packed(
+            *(x[idx][None] for x in flat),
+            torch.stack([state[b] for b, _, _ in pieces]),
+            seqlens,
+            scale,
+            per_head=per_head is not None,
+        )
         for i, (b, _, e) in enumerate(pieces):
             state[b] = final[i]
             reached[b][e] = final[i]
@@ -150,8 +166,14 @@ def fla_delta_rule(
     final_state = torch.stack(state)
     if at is None:
         return o, final_state
-    states = torch.stack([torch.stack([reached[b][min(max(int(a), 0), lens[b])] for a in at[b]])
-                          if at[b] else initial_state.new_zeros(0, H, K, V) for b in range(B)])
+    states = torch.stack(
+        [
+            torch.stack([reached[b][min(max(int(a), 0), lens[b])] for a in at[b]])
+            if at[b]
+            else initial_state.new_zeros(0, H, K, V)
+            for b in range(B)
+        ]
+    )
     return o, final_state, states
 
 
@@ -167,12 +189,32 @@ def _run_packed(q, k, v, g, beta, init, seqlens, scale, per_head: bool):
     if per_head:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=init,
-                                      output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        return chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=init,
+            output_final_state=True,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )
     from fla.ops.kda import chunk_kda
 
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
-                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    return chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=init,
+        output_final_state=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )
 
 
 # ---- tree attention ---------------------------------------------------------------------------------
@@ -188,7 +230,7 @@ def _key_forest(plan: TreeAttentionPlan) -> tuple[np.ndarray, np.ndarray, np.nda
     q_start, k_start = np.cumsum([0] + q_sizes), np.cumsum([0] + k_sizes)
     parent = np.full(m + 1, -1, dtype=np.int64)
     for gi, gr in enumerate(plan.groups):
-        rows = key_index[k_start[gi]: k_start[gi + 1]].reshape(gr.size, gr.lk)
+        rows = key_index[k_start[gi] : k_start[gi + 1]].reshape(gr.size, gr.lk)
         # Adjacent real keys of one gathered row are consecutive on one path (ancestors, then own).
         left, right = rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1)
         real = (left != m) & (right != m)
@@ -206,7 +248,7 @@ def _key_forest(plan: TreeAttentionPlan) -> tuple[np.ndarray, np.ndarray, np.nda
     first = np.searchsorted(parent[order], np.arange(-1, m), side="left")
     last = np.searchsorted(parent[order], np.arange(-1, m), side="right")
     pre, end = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
-    counter, stack = 0, [(int(x), False) for x in order[first[0]: last[0]][::-1]]
+    counter, stack = 0, [(int(x), False) for x in order[first[0] : last[0]][::-1]]
     while stack:
         node, done = stack.pop()
         if done:
@@ -215,7 +257,7 @@ def _key_forest(plan: TreeAttentionPlan) -> tuple[np.ndarray, np.ndarray, np.nda
         pre[node] = counter
         counter += 1
         stack.append((node, True))
-        stack.extend((int(c), False) for c in order[first[node + 1]: last[node + 1]][::-1])
+        stack.extend((int(c), False) for c in order[first[node + 1] : last[node + 1]][::-1])
     return pre, end, np.asarray(self_key, dtype=np.int64)
 
 
@@ -233,8 +275,9 @@ def tree_block_mask(plan: TreeAttentionPlan, device: torch.device | str):
         def on_path(b, h, q_idx, kv_idx):  # key kv_idx is an ancestor-or-self of query q_idx's own key
             return (kv_pre[kv_idx] <= q_pre[q_idx]) & (q_pre[q_idx] < kv_end[kv_idx])
 
-        plan._cache[key] = create_block_mask(on_path, B=None, H=None, Q_LEN=plan.num_queries,
-                                             KV_LEN=plan.num_keys, device=device)
+        plan._cache[key] = create_block_mask(
+            on_path, B=None, H=None, Q_LEN=plan.num_queries, KV_LEN=plan.num_keys, device=device
+        )
     return plan._cache[key]
 
 
@@ -246,8 +289,13 @@ def _compiled_flex():
 
 
 def flex_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeAttentionPlan, scaling: float,
-    window: int | None = None, sinks: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: TreeAttentionPlan,
+    scaling: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`harts.ops.tree_attention.tree_attention` by one ``flex_attention`` call. Returns [n, H, Dv].
 
@@ -257,26 +305,40 @@ def flex_tree_attention(
     from torch.nn.attention.flex_attention import flex_attention
 
     if plan.windowed(window) is not plan or sinks is not None:
-        raise ValueError("the 'fla' backend's tree attention has no sliding window or attention sinks; "
-                         "run a model whose layers use them (a window set in its config, or sinks) on the "
-                         "'torch' backend")
+        raise ValueError(
+            "the 'fla' backend's tree attention has no sliding window or attention sinks; "
+            "run a model whose layers use them (a window set in its config, or sinks) on the "
+            "'torch' backend"
+        )
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"expected q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [H, n, Dk], k [Hkv, m, Dk], v [Hkv, m, Dv], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     h, n, dk = q.shape
     hkv, m, dv = v.shape
     if k.shape[:2] != (hkv, m) or k.shape[2] != dk or h % hkv:
-        raise ValueError(f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                         "(H must be a multiple of Hkv)")
+        raise ValueError(
+            f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+            "(H must be a multiple of Hkv)"
+        )
     if (n, m) != (plan.num_queries, plan.num_keys):
         raise ValueError(f"plan is for {plan.num_queries} queries and {plan.num_keys} keys, got {n} and {m}")
     cuda = q.device.type == "cuda"
     if not cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise ValueError(f"the 'fla' backend's tree attention (FlexAttention) backpropagates on CUDA only, "
-                         f"and these tensors are on {q.device}: use the 'torch' backend there")
+        raise ValueError(
+            f"the 'fla' backend's tree attention (FlexAttention) backpropagates on CUDA only, "
+            f"and these tensors are on {q.device}: use the 'torch' backend there"
+        )
     if n == 0:
         return q.new_zeros(0, h, dv)
     run = _compiled_flex() if cuda else flex_attention
-    out = run(q[None], k[None], v[None], block_mask=tree_block_mask(plan, q.device), scale=scaling,
-              enable_gqa=h != hkv)
+    out = run(
+        q[None],
+        k[None],
+        v[None],
+        block_mask=tree_block_mask(plan, q.device),
+        scale=scaling,
+        enable_gqa=h != hkv,
+    )
     return out[0].transpose(0, 1)

@@ -45,8 +45,12 @@ import torch.utils.checkpoint
 from harts.ops.precision import autocast_dtype, autocast_state, no_autocast, restored_autocast
 
 __all__ = [
-    "token_logprobs", "head_token_logprobs", "plain_token_logprobs", "softcap_logits", "DEFAULT_CHUNK_ROWS",
-]  # fmt: skip
+    "token_logprobs",
+    "head_token_logprobs",
+    "plain_token_logprobs",
+    "softcap_logits",
+    "DEFAULT_CHUNK_ROWS",
+]
 
 DEFAULT_CHUNK_ROWS = 1024
 
@@ -227,8 +231,9 @@ def token_logprobs(
     # each distinct pair's target logit is read once (sorted by predictor, as unique returns them).
     pairs, row_pair = torch.unique(predictor * weight.shape[0] + target, return_inverse=True)
     pair_pred, pair_target = pairs // weight.shape[0], pairs % weight.shape[0]
-    lse, entropy, target_logit = _LseEntropy.apply(hidden, weight, bias, chunk_rows, softcap, temperature,
-                                                   pair_pred, pair_target)  # fmt: skip
+    lse, entropy, target_logit = _LseEntropy.apply(
+        hidden, weight, bias, chunk_rows, softcap, temperature, pair_pred, pair_target
+    )
     return (target_logit - lse[pair_pred])[row_pair], entropy[predictor]
 
 
@@ -259,8 +264,9 @@ def head_token_logprobs(
         empty = torch.empty(0, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         return empty, empty
     order = torch.argsort(predictor, stable=True)
-    bounds = torch.searchsorted(predictor[order], torch.arange(0, hidden.shape[0] + chunk_rows, chunk_rows,
-                                                               device=predictor.device)).tolist()  # fmt: skip
+    bounds = torch.searchsorted(
+        predictor[order], torch.arange(0, hidden.shape[0] + chunk_rows, chunk_rows, device=predictor.device)
+    ).tolist()
     row_parts, entropies = [], []
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
     for c, s in enumerate(range(0, hidden.shape[0], chunk_rows)):
@@ -281,8 +287,9 @@ def _params(module):
     return module.parameters() if hasattr(module, "parameters") else ()
 
 
-def plain_token_logprobs(hidden, weight, predictor, target, bias=None, temperature: float = 1.0,
-                         softcap: float | None = None):
+def plain_token_logprobs(
+    hidden, weight, predictor, target, bias=None, temperature: float = 1.0, softcap: float | None = None
+):
     """Reference for :func:`token_logprobs`: full logits, plain autograd."""
     _check(hidden, predictor, target)
     logp = torch.log_softmax(_logits(hidden, weight, bias, softcap) / temperature, dim=-1)

@@ -116,16 +116,25 @@ class Recurrence:
 #: q, k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay per key channel, or per head [N, H] (GDN);
 #: beta [N, H]. Scale default K^-0.5.
 DELTA_RULE = Recurrence(
-    "delta_rule", ("q", "k", "v", "g", "beta"), chunked_gated_delta_rule, naive_recurrent_gated_delta_rule,
-    tree_kernel=chunk_tree_gated_delta_rule, packed_kernel=packed_gated_delta_rule, per_head_inputs=("g",),
-)  # fmt: skip
+    "delta_rule",
+    ("q", "k", "v", "g", "beta"),
+    chunked_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+    tree_kernel=chunk_tree_gated_delta_rule,
+    packed_kernel=packed_gated_delta_rule,
+    per_head_inputs=("g",),
+)
 
 #: q, k [N, H, K]; v [N, H, V]; g [N, H, K] log-decay per key channel, or per head [N, H]. Scale default 1.
 GATED_LINEAR_ATTENTION = Recurrence(
-    "gated_linear_attention", ("q", "k", "v", "g"), chunked_gated_linear_attention,
-    naive_recurrent_gated_linear_attention, tree_kernel=chunk_tree_gated_linear_attention,
-    packed_kernel=packed_gated_linear_attention, per_head_inputs=("g",),
-)  # fmt: skip
+    "gated_linear_attention",
+    ("q", "k", "v", "g"),
+    chunked_gated_linear_attention,
+    naive_recurrent_gated_linear_attention,
+    tree_kernel=chunk_tree_gated_linear_attention,
+    packed_kernel=packed_gated_linear_attention,
+    per_head_inputs=("g",),
+)
 
 #: Every recurrence harts runs. The contract's checks (outputs, every node's state and all gradients
 #: against the fp64 reference, under every linear plan) run over this tuple, so a recurrence listed

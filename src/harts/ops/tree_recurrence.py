@@ -159,9 +159,13 @@ def _run_call(kernel, call: LinearCall, scale, init, *inputs):
     args = tuple(x[idx] for x in inputs)
     if call.num_boundaries:
         o, final, inner = kernel(
-            *args, initial_state=init, lengths=call.lengths, scale=scale,
-            output_states_at=call.boundary_offsets, chunk_size=call.chunk_size,
-        )  # fmt: skip
+            *args,
+            initial_state=init,
+            lengths=call.lengths,
+            scale=scale,
+            output_states_at=call.boundary_offsets,
+            chunk_size=call.chunk_size,
+        )
     else:
         o, final = kernel(
             *args, initial_state=init, lengths=call.lengths, scale=scale, chunk_size=call.chunk_size

@@ -44,8 +44,13 @@ import torch
 from harts.plan.attention_blocks import AttentionGroup, fill_groups, group_blocks, query_blocks
 from harts.plan.attention_prefixes import SharedPrefix, shared_prefixes
 
-__all__ = ["AttentionGroup", "SharedPrefix", "TreeAttentionPlan", "plan_tree_attention",
-           "plan_reference_mask"]
+__all__ = [
+    "AttentionGroup",
+    "SharedPrefix",
+    "TreeAttentionPlan",
+    "plan_tree_attention",
+    "plan_reference_mask",
+]
 
 _DEFAULT_GROUP_TOKENS = 1 << 24
 # Dense plans (module docstring): n * m score elements against the groups' padded cost plus, per call
@@ -93,8 +98,9 @@ class TreeAttentionPlan:
             return self
         if "whole" not in self._cache:
             nodes, budget, _ = self._nodes
-            self._cache["whole"] = _plan(*nodes, self.num_queries, self.num_keys, self.key_index.device,
-                                         budget, None, split=False)
+            self._cache["whole"] = _plan(
+                *nodes, self.num_queries, self.num_keys, self.key_index.device, budget, None, split=False
+            )
         return self._cache["whole"]
 
     def windowed(self, window: int | None) -> TreeAttentionPlan:
@@ -107,8 +113,9 @@ class TreeAttentionPlan:
         key = ("windowed", window)
         if key not in self._cache:
             nodes, budget, _ = self._nodes
-            self._cache[key] = _plan(*nodes, self.num_queries, self.num_keys, self.key_index.device,
-                                     budget, window, split=False)
+            self._cache[key] = _plan(
+                *nodes, self.num_queries, self.num_keys, self.key_index.device, budget, window, split=False
+            )
         return self._cache[key]
 
     def lone_unmerged(self) -> frozenset[int]:
@@ -122,8 +129,10 @@ class TreeAttentionPlan:
             reached = reached.cumsum(0)[:-1] > 0
             parts = self.query_index.cpu().split([g.size * g.lq for g in self.groups])
             self._cache["lone_unmerged"] = frozenset(
-                i for i, (g, rows) in enumerate(zip(self.groups, parts, strict=True))
-                if g.lk == 1 and not reached[rows].any())
+                i
+                for i, (g, rows) in enumerate(zip(self.groups, parts, strict=True))
+                if g.lk == 1 and not reached[rows].any()
+            )
         return self._cache["lone_unmerged"]
 
     def dense_for(self, heads: int, width: int) -> bool:
@@ -135,7 +144,8 @@ class TreeAttentionPlan:
         scores = self.num_queries * self.num_keys
         calls = len(self.groups) + len(self.prefixes)
         return scores <= _DENSE_MAX_ELEMENTS and scores <= self.padded_cost + _DENSE_CALL_WORK * calls / (
-            heads * width)
+            heads * width
+        )
 
     def dense_mask(self, r: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, 1, r * n, m] additive mask of the whole plan: 0 where a query sees a key (its path),
@@ -148,8 +158,8 @@ class TreeAttentionPlan:
             sees = np.zeros((self.num_queries, self.num_keys), dtype=bool)
             own = np.tri(int(ln.max()) if ln.size else 0, dtype=bool)
             for q0, length, k0, a in zip(qs.tolist(), ln.tolist(), ks.tolist(), anc, strict=True):
-                sees[q0: q0 + length, a] = True
-                sees[q0: q0 + length, k0: k0 + length] = own[:length, :length]
+                sees[q0 : q0 + length, a] = True
+                sees[q0 : q0 + length, k0 : k0 + length] = own[:length, :length]
             hidden = torch.from_numpy(~sees).to(self.key_index.device)
             additive = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
             additive.masked_fill_(hidden, -torch.finfo(dtype).max / 4)
@@ -178,8 +188,10 @@ class TreeAttentionPlan:
             (qs, ln, ks, anc), *_ = self._nodes
             roots = np.array([a.size == 0 for a in anc], dtype=bool)
             device = self.key_index.device
-            self._cache["lone_queries"] = (torch.from_numpy(qs[roots]).to(device),
-                                           torch.from_numpy(ks[roots]).to(device))
+            self._cache["lone_queries"] = (
+                torch.from_numpy(qs[roots]).to(device),
+                torch.from_numpy(ks[roots]).to(device),
+            )
         return self._cache["lone_queries"]
 
     def mask(self, lq: int, lk: int, r: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -203,8 +215,12 @@ class TreeAttentionPlan:
         if key not in self._cache:
             n, heads = self.num_queries, torch.arange(r, device=self.key_index.device)
             parts = self.query_index.split([g.size * g.lq for g in self.groups])
-            rows = torch.cat([(p.view(g.size, 1, g.lq) + heads[:, None] * n).reshape(-1)
-                              for p, g in zip(parts, self.groups, strict=True)])
+            rows = torch.cat(
+                [
+                    (p.view(g.size, 1, g.lq) + heads[:, None] * n).reshape(-1)
+                    for p, g in zip(parts, self.groups, strict=True)
+                ]
+            )
             total = r * sum(g.size * g.lq for g in self.groups)
             within = r * self.row_base[:, None] + heads * self.row_stride[:, None] + self.row_offset[:, None]
             kv = torch.arange(hkv, device=heads.device)[None, :, None]
@@ -222,15 +238,23 @@ def _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_ke
     """Host-side int64 copies of the node description, checked; raises on inconsistent input."""
     qs, ln, ks = (_host_ints(x) for x in (node_query_start, node_length, node_key_start))
     if not (qs.shape == ln.shape == ks.shape):
-        raise ValueError(f"node_query_start, node_length, node_key_start must have one shape [M], got "
-                         f"{qs.shape}, {ln.shape}, {ks.shape}")
+        raise ValueError(
+            f"node_query_start, node_length, node_key_start must have one shape [M], got "
+            f"{qs.shape}, {ln.shape}, {ks.shape}"
+        )
     if len(node_ancestor_keys) != qs.size:
         got = len(node_ancestor_keys)
         raise ValueError(f"expected {qs.size} ancestor key tensors (one per node), got {got}")
-    if qs.size and (ln.min() < 1 or qs.min() < 0 or ks.min() < 0
-                    or (qs + ln).max() > num_queries or (ks + ln).max() > num_keys):
-        raise ValueError(f"node ranges fall outside [0, {num_queries}) queries / [0, {num_keys}) keys "
-                         "or a node is empty")
+    if qs.size and (
+        ln.min() < 1
+        or qs.min() < 0
+        or ks.min() < 0
+        or (qs + ln).max() > num_queries
+        or (ks + ln).max() > num_keys
+    ):
+        raise ValueError(
+            f"node ranges fall outside [0, {num_queries}) queries / [0, {num_keys}) keys or a node is empty"
+        )
     cover = np.zeros(num_queries + 1, dtype=np.int64)
     np.add.at(cover, qs, 1)
     np.add.at(cover, qs + ln, -1)
@@ -273,13 +297,24 @@ def plan_tree_attention(
         raise ValueError(f"max_group_tokens must be positive, got {max_group_tokens}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding window must be a positive integer, got {window!r}")
-    qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
-                                   num_queries, num_keys)
+    qs, ln, ks, anc = _check_nodes(
+        node_query_start, node_length, node_key_start, node_ancestor_keys, num_queries, num_keys
+    )
     return _plan(qs, ln, ks, anc, num_queries, num_keys, torch.device(device or "cpu"), budget, window)
 
 
-def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int, window: int | None,
-          split: bool = True):
+def _plan(
+    qs,
+    ln,
+    ks,
+    anc,
+    num_queries: int,
+    num_keys: int,
+    device,
+    budget: int,
+    window: int | None,
+    split: bool = True,
+):
     """:func:`plan_tree_attention` on checked host arrays; ``split``: with shared prefixes (never
     with a window)."""
     max_path = int(max((a.size + int(l_) for a, l_ in zip(anc, ln, strict=True)), default=0))
@@ -290,8 +325,11 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     # Blocks: (node, own offset s, queries b, first key column k0); keys are the path's columns
     # k0 .. a + s + b - 1 (ancestors and own keys up to the block's end; with a window, from the
     # first one the block's first query sees).
-    blocks = [(m, s, b, 0 if window is None else max(0, anc[m].size + s - window + 1))
-              for m in range(qs.size) for s, b in query_blocks(anc[m].size, int(ln[m]), budget, window)]
+    blocks = [
+        (m, s, b, 0 if window is None else max(0, anc[m].size + s - window + 1))
+        for m in range(qs.size)
+        for s, b in query_blocks(anc[m].size, int(ln[m]), budget, window)
+    ]
     lq = np.array([b for _, _, b, _ in blocks], dtype=np.int64)
     lk = np.array([anc[m].size + s + b - k0 for m, s, b, k0 in blocks], dtype=np.int64)
     # Queries with one key get groups of their own (tree_attention runs them exactly), apart from
@@ -300,7 +338,8 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
     kind = np.where(lk == 1, np.where(reached, 2, 1), 0)
     order, spans, groups = group_blocks(lq, lk, kind, budget)
     q_all, k_all, row_base, row_stride, row_offset = fill_groups(
-        spans, order, np.asarray(blocks, dtype=np.int64).reshape(-1, 4), qs, ks, anc, num_queries, num_keys)
+        spans, order, np.asarray(blocks, dtype=np.int64).reshape(-1, 4), qs, ks, anc, num_queries, num_keys
+    )
     padded = sum(g.size * g.lq * g.lk for g in groups)
     padded += sum((p.q1 - p.q0) * (p.k1 - p.k0) for p in prefixes)
     if window is None:  # a block's full path: its ancestors' keys, shared prefixes included
@@ -310,9 +349,18 @@ def _plan(qs, ln, ks, anc, num_queries: int, num_keys: int, device, budget: int,
         first = np.array([anc[m].size + s for m, s, _, _ in blocks], dtype=np.int64) + 1
         ramp = np.clip(window - first, 0, lq)  # queries still below the window's full width
         exact = int((ramp * first + ramp * (ramp - 1) // 2 + (lq - ramp) * window).sum())
-    return TreeAttentionPlan(num_queries, num_keys, groups, *(torch.from_numpy(x).to(device)
-                             for x in (q_all, k_all, row_base, row_stride, row_offset)), exact, padded,
-                             window, max_path, tuple(prefixes), ((qs, ln, ks, full), budget, not split))
+    return TreeAttentionPlan(
+        num_queries,
+        num_keys,
+        groups,
+        *(torch.from_numpy(x).to(device) for x in (q_all, k_all, row_base, row_stride, row_offset)),
+        exact,
+        padded,
+        window,
+        max_path,
+        tuple(prefixes),
+        ((qs, ln, ks, full), budget, not split),
+    )
 
 
 def plan_reference_mask(
@@ -328,8 +376,9 @@ def plan_reference_mask(
 ) -> torch.Tensor:
     """[n, m] bool: the keys each query may see, built densely node by node (tests only); with
     ``window``, only the last ``window`` tokens of each query's path."""
-    qs, ln, ks, anc = _check_nodes(node_query_start, node_length, node_key_start, node_ancestor_keys,
-                                   num_queries, num_keys)
+    qs, ln, ks, anc = _check_nodes(
+        node_query_start, node_length, node_key_start, node_ancestor_keys, num_queries, num_keys
+    )
     mask = torch.zeros(num_queries, num_keys, dtype=torch.bool)
     for m in range(qs.size):
         q0, k0, length = int(qs[m]), int(ks[m]), int(ln[m])
@@ -337,5 +386,5 @@ def plan_reference_mask(
         for i in range(length):  # query i of the node sits at path position a + i
             p = anc[m].size + i
             lo = 0 if window is None else max(0, p - window + 1)
-            mask[q0 + i, path[lo: p + 1]] = True
+            mask[q0 + i, path[lo : p + 1]] = True
     return mask.to(device or "cpu")

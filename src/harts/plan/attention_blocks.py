@@ -90,8 +90,10 @@ def group_blocks(lq: np.ndarray, lk: np.ndarray, kind: np.ndarray, budget: int):
     # flash attention more than its share, about 15% at 32 channels), and a tensor's gathers
     # stay one contiguous index range per kind.
     spans.sort(key=lambda sp: bool((lk[order[sp[0] : sp[1]]] < sp[3]).any()))
-    groups = [AttentionGroup(g1 - g0, int(g_lq), int(g_lk), bool((lk[order[g0:g1]] < g_lk).any()))
-              for g0, g1, g_lq, g_lk in spans]  # fmt: skip
+    groups = [
+        AttentionGroup(g1 - g0, int(g_lq), int(g_lk), bool((lk[order[g0:g1]] < g_lk).any()))
+        for g0, g1, g_lq, g_lk in spans
+    ]
     return order, spans, groups
 
 

@@ -86,10 +86,15 @@ class ChunkTreePlan:
 
     def to(self, device) -> ChunkTreePlan:
         return ChunkTreePlan(
-            self.chunk_size, self.token_index.to(device), self.source.to(device),
-            self.levels, self.root_nodes, self.node_last_chunk.to(device),
-            self.output_index.to(device), self.num_tokens,
-        )  # fmt: skip
+            self.chunk_size,
+            self.token_index.to(device),
+            self.source.to(device),
+            self.levels,
+            self.root_nodes,
+            self.node_last_chunk.to(device),
+            self.output_index.to(device),
+            self.num_tokens,
+        )
 
 
 def chunk_tree_shape(forest: Forest, chunk_size: int) -> tuple[int, int]:

@@ -425,8 +425,10 @@ def _with_best_chunk(call: LinearCall, keep: torch.Tensor, model: LinearCostMode
 def choose_chunks(plan: LinearPlan, cost_model: LinearCostModel | None = None) -> LinearPlan:
     """The same calls, each with the chunk the cost model prefers for its shape."""
     model = cost_model or LinearCostModel()
-    calls = [_with_best_chunk(c, torch.arange(c.token_index.shape[0], device=c.lengths.device), model)
-             for c in plan.calls]
+    calls = [
+        _with_best_chunk(c, torch.arange(c.token_index.shape[0], device=c.lengths.device), model)
+        for c in plan.calls
+    ]
     return LinearPlan(calls, plan.num_tokens, plan.mode)
 
 

@@ -73,10 +73,21 @@ class LinearCostModel:
     chunk_tree_margin: float = 0.85
 
     #: the fields the terms of a call and of a chunk tree are weighted by, in the terms' order
-    CALL_FIELDS = ("slot_cost", "slot_cost_per_chunk", "segment_chunk_cost", "step_cost", "boundary_cost",
-                   "call_cost")  # fmt: skip
-    TREE_FIELDS = ("tree_slot_cost", "tree_slot_cost_per_chunk", "tree_chunk_cost", "tree_step_cost",
-                   "tree_call_cost")  # fmt: skip
+    CALL_FIELDS = (
+        "slot_cost",
+        "slot_cost_per_chunk",
+        "segment_chunk_cost",
+        "step_cost",
+        "boundary_cost",
+        "call_cost",
+    )
+    TREE_FIELDS = (
+        "tree_slot_cost",
+        "tree_slot_cost_per_chunk",
+        "tree_chunk_cost",
+        "tree_step_cost",
+        "tree_call_cost",
+    )
 
     @staticmethod
     def call_terms(w: int, t: int, s: int, chunk_size: int) -> tuple[float, ...]:

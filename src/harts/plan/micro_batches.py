@@ -154,8 +154,15 @@ def _balanced_runs(lengths, path_start, nodes: np.ndarray, budget: int, context_
     return _runs(lengths, path_start, nodes, hi, context_weight)
 
 
-def _first_fit(units: np.ndarray, own: np.ndarray, alone: np.ndarray, parent: np.ndarray, lengths: np.ndarray,
-               budget: int, context_weight: float) -> list[list[int]]:
+def _first_fit(
+    units: np.ndarray,
+    own: np.ndarray,
+    alone: np.ndarray,
+    parent: np.ndarray,
+    lengths: np.ndarray,
+    budget: int,
+    context_weight: float,
+) -> list[list[int]]:
     """Units (subtree roots, ``own`` tokens each, ``alone`` their cost in a bin of their own) packed
     first-fit decreasing into bins of ``budget``.
 
@@ -219,9 +226,12 @@ def _pack(forest: Forest, budget: int, context_weight: float) -> list[np.ndarray
     def packed(units: np.ndarray) -> list[np.ndarray]:
         costs = subtree[units] + context_weight * path_start[units]
         fits = costs <= budget
-        groups = [np.concatenate([np.arange(r, ends[r]) for r in sorted(b)])
-                  for b in _first_fit(units[fits], subtree[units[fits]], costs[fits], parent, lengths,
-                                      budget, context_weight)]  # fmt: skip
+        groups = [
+            np.concatenate([np.arange(r, ends[r]) for r in sorted(b)])
+            for b in _first_fit(
+                units[fits], subtree[units[fits]], costs[fits], parent, lengths, budget, context_weight
+            )
+        ]
         for unit in units[~fits].tolist():
             nodes = np.arange(unit, ends[unit])
             groups.extend(_balanced_runs(lengths, path_start, nodes, budget, context_weight))

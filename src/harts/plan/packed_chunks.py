@@ -99,10 +99,18 @@ class PackedChunkPlan:
     def to(self, device) -> PackedChunkPlan:
         t = lambda x: x.to(device)  # noqa: E731
         return PackedChunkPlan(
-            self.chunk_size, t(self.ancestors), t(self.emit_token), t(self.emit_source),
-            [t(lv) for lv in self.levels], t(self.group_chunk), t(self.group_source), t(self.slot_group),
-            self.root_nodes, t(self.node_state_row), self.num_tokens,
-        )  # fmt: skip
+            self.chunk_size,
+            t(self.ancestors),
+            t(self.emit_token),
+            t(self.emit_source),
+            [t(lv) for lv in self.levels],
+            t(self.group_chunk),
+            t(self.group_source),
+            t(self.slot_group),
+            self.root_nodes,
+            t(self.node_state_row),
+            self.num_tokens,
+        )
 
 
 def _hops_to_root(up: np.ndarray) -> np.ndarray:
@@ -114,6 +122,35 @@ def _hops_to_root(up: np.ndarray) -> np.ndarray:
         hops[live] += hops[up[live]]  # right side read before any write: one synchronous round
         up[live] = up[up[live]]
     return hops
+
+
+def _in_chunk_ancestors(parent_slot: np.ndarray, m: int, c: int) -> np.ndarray:
+    """[m, c, c] bool: slot ``b`` of a chunk is an ancestor of slot ``a`` within it. ``parent_slot``
+    [n]: each token's parent's slot in its chunk (-1: none there). One slot at a time over every
+    chunk: a parent's row is complete before its children's (parents first)."""
+    slots = np.full(m * c, -1, dtype=np.int64)
+    slots[: parent_slot.size] = parent_slot
+    slots = slots.reshape(m, c)
+    anc = np.zeros((m, c, c), dtype=bool)
+    chunks = np.arange(m)
+    for a in range(1, c):
+        ps = slots[:, a]
+        has = ps >= 0
+        anc[chunks[has], a] = anc[chunks[has], ps[has]]
+        anc[chunks[has], a, ps[has]] = True
+    return anc
+
+
+def _entry_groups(row: np.ndarray, m: int, c: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens of a chunk that share an entry row form a group: (each group's chunk, its entry
+    row, each slot's group); ``rows``: more than any row index. Padded slots join the last group."""
+    n = row.size
+    slot_row = np.full(m * c, -1, dtype=np.int64)
+    slot_row[:n] = row
+    slot_row[n:] = row[n - 1] if n else 0
+    key = (np.arange(m * c) // c) * rows + slot_row
+    uniq, slot_group = np.unique(key, return_inverse=True)
+    return uniq // rows, uniq % rows, slot_group
 
 
 def packed_chunk_plan(forest: Forest, chunk_size: int | None = None) -> PackedChunkPlan:
@@ -164,28 +201,8 @@ def packed_chunk_plan(forest: Forest, chunk_size: int | None = None) -> PackedCh
     bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if depth.size else 1))
     levels = [torch.as_tensor(order[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
-    # The in-chunk ancestor mask, one slot at a time over every chunk (a parent's row is complete
-    # before its children's: parents first).
-    parent_slot = np.full(m * c, -1, dtype=np.int64)
-    parent_slot[:n] = np.where(in_chunk, prev % c, -1)
-    parent_slot = parent_slot.reshape(m, c)
-    anc = np.zeros((m, c, c), dtype=bool)
-    chunks = np.arange(m)
-    for a in range(1, c):
-        ps = parent_slot[:, a]
-        has = ps >= 0
-        anc[chunks[has], a] = anc[chunks[has], ps[has]]
-        anc[chunks[has], a, ps[has]] = True
-
-    # Groups: the tokens of a chunk that share an entry row.
-    slot_row = np.full(m * c, -1, dtype=np.int64)
-    slot_row[:n] = row
-    slot_row[n:] = row[n - 1] if n else 0  # padded slots join the last group
-    chunk_of = np.arange(m * c) // c
-    key = chunk_of * (r + emit_token.size + 1) + slot_row
-    uniq, slot_group = np.unique(key, return_inverse=True)
-    group_chunk = uniq // (r + emit_token.size + 1)
-    group_source = uniq % (r + emit_token.size + 1)
+    anc = _in_chunk_ancestors(np.where(in_chunk, prev % c, -1), m, c)
+    group_chunk, group_source, slot_group = _entry_groups(row, m, c, r + emit_token.size + 1)
 
     node_state_row = np.where(lengths > 0, r + emit_index[np.maximum(node_end, 0)], -1)
     for v in np.flatnonzero(lengths == 0):  # an empty node ends where it starts
@@ -193,6 +210,15 @@ def packed_chunk_plan(forest: Forest, chunk_size: int | None = None) -> PackedCh
         node_state_row[v] = r + emit_index[e] if e >= 0 else root_of[v]
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)  # noqa: E731
     return PackedChunkPlan(
-        c, torch.as_tensor(anc), t(emit_token), t(emit_source), levels, t(group_chunk), t(group_source),
-        t(slot_group.reshape(m, c)), roots.tolist(), t(node_state_row), n,
-    )  # fmt: skip
+        c,
+        torch.as_tensor(anc),
+        t(emit_token),
+        t(emit_source),
+        levels,
+        t(group_chunk),
+        t(group_source),
+        t(slot_group.reshape(m, c)),
+        roots.tolist(),
+        t(node_state_row),
+        n,
+    )

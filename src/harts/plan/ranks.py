@@ -115,8 +115,10 @@ def assign_trees(forest: Forest, world_size: int, cost: RankCost | None = None) 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if forest.num_trajectories < world_size:
-        raise ValueError(f"the step has {forest.num_trajectories} trajectories for {world_size} ranks: every "
-                         f"rank needs one (put more rollouts in each step)")  # fmt: skip
+        raise ValueError(
+            f"the step has {forest.num_trajectories} trajectories for {world_size} ranks: every "
+            f"rank needs one (put more rollouts in each step)"
+        )
     cost = cost or RankCost()
     node_cost, prefix_cost = _node_costs(forest, cost)
     running = np.concatenate([[0.0], np.cumsum(node_cost)])
@@ -157,8 +159,10 @@ def assign_trees(forest: Forest, world_size: int, cost: RankCost | None = None) 
             break
         units, load, divided = trial, trial_load, divided + 1
     if len(units) < world_size:  # only single trajectories ending inside one another remain
-        raise ValueError(f"the step's {forest.num_trajectories} trajectories cannot be divided among "
-                         f"{world_size} ranks (at most {len(units)} groups)")  # fmt: skip
+        raise ValueError(
+            f"the step's {forest.num_trajectories} trajectories cannot be divided among "
+            f"{world_size} ranks (at most {len(units)} groups)"
+        )
     rank, load = loads(units)
     starts = np.array([u.start for u in units])
     order = np.argsort(starts)

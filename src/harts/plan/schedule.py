@@ -35,11 +35,28 @@ from enum import StrEnum
 import numpy as np
 
 __all__ = [
-    "Walk", "depth_first_walk", "walk_holding", "oldest_dropped_walk", "graphs_to_hold", "reader_counts",
-    "HOLD_STEPS", "Forward", "HandOver", "Recompute", "RowGradients", "Backward", "Release", "DropLayout",
-    "Event", "Schedule", "LossForm", "depth_first_schedule", "three_pass_schedule", "forward_only_schedule",
+    "Walk",
+    "depth_first_walk",
+    "walk_holding",
+    "oldest_dropped_walk",
+    "graphs_to_hold",
+    "reader_counts",
+    "HOLD_STEPS",
+    "Forward",
+    "HandOver",
+    "Recompute",
+    "RowGradients",
+    "Backward",
+    "Release",
+    "DropLayout",
+    "Event",
+    "Schedule",
+    "LossForm",
+    "depth_first_schedule",
+    "three_pass_schedule",
+    "forward_only_schedule",
     "step_schedule",
-]  # fmt: skip
+]
 
 #: which earlier parts each part reads, by part: a mapping or a sequence indexed by part
 Producers = Mapping[int, Collection[int]] | Sequence[Collection[int]]
@@ -60,8 +77,9 @@ class Walk(StrEnum):
 WalkStep = tuple[Walk, int]
 
 
-def depth_first_walk(order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
-                     ) -> Iterator[WalkStep]:  # fmt: skip
+def depth_first_walk(
+    order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
+) -> Iterator[WalkStep]:
     """The decisions of a depth-first step, from part sizes and readers alone, in order (:class:`Walk`).
 
     Every graph not held runs its forward again, so the walk holds the graphs that leave the fewest
@@ -76,8 +94,9 @@ def depth_first_walk(order: Sequence[int], sizes: Sequence[int], producers: Prod
         yield from walk_holding(order, producers, keep)
 
 
-def walk_holding(order: Sequence[int], producers: Producers, keep: Collection[int] | None
-                 ) -> Iterator[WalkStep]:  # fmt: skip
+def walk_holding(
+    order: Sequence[int], producers: Producers, keep: Collection[int] | None
+) -> Iterator[WalkStep]:
     """The walk holding the graphs of the parts in ``keep`` (None: of every part later parts read)."""
     readers = reader_counts(order, producers)
     for p in order:
@@ -97,8 +116,9 @@ def reader_counts(order: Sequence[int], producers: Producers) -> dict[int, int]:
     return readers
 
 
-def _backwards_from(p: int, producers: Producers, readers: dict[int, int], released: Callable[[int], bool]
-                    ) -> Iterator[WalkStep]:  # fmt: skip
+def _backwards_from(
+    p: int, producers: Producers, readers: dict[int, int], released: Callable[[int], bool]
+) -> Iterator[WalkStep]:
     """(BACKWARD, p), then that of each part whose last reader has just run its backward, each
     preceded by (AGAIN, q) where ``released(q)`` says its graph was not held. The producers are
     visited in their collection's own order: the order the step's gradients add up in."""
@@ -119,8 +139,9 @@ def _backwards_from(p: int, producers: Producers, readers: dict[int, int], relea
 HOLD_STEPS = 2048
 
 
-def graphs_to_hold(order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
-                   ) -> set[int] | None:  # fmt: skip
+def graphs_to_hold(
+    order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
+) -> set[int] | None:
     """The parts later parts read whose graphs to hold: the most held tokens (so the fewest run
     twice) such that the graphs held at any moment total at most ``cap``; None where the parts'
     lifetimes do not nest.
@@ -192,8 +213,9 @@ def _lifetime_tree(order: Sequence[int], sizes: Sequence[int], producers: Produc
     return read, children, chain
 
 
-def oldest_dropped_walk(order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
-                        ) -> Iterator[WalkStep]:  # fmt: skip
+def oldest_dropped_walk(
+    order: Sequence[int], sizes: Sequence[int], producers: Producers, cap: int
+) -> Iterator[WalkStep]:
     """The walk holding each read part while it fits ``cap``, dropping the oldest held graphs first:
     the fallback where lifetimes do not nest and the knapsack of :func:`graphs_to_hold` has no tree."""
     readers = reader_counts(order, producers)
@@ -337,8 +359,9 @@ class LossForm(StrEnum):
     NONE = "none"  # no loss: forward only
 
 
-def depth_first_schedule(order: Sequence[int], sizes: Sequence[int], producers: Producers, hold_limit: int
-                         ) -> Schedule:  # fmt: skip
+def depth_first_schedule(
+    order: Sequence[int], sizes: Sequence[int], producers: Producers, hold_limit: int
+) -> Schedule:
     """Each part of ``order`` forward and backward once on its own rows, depth first
     (:func:`depth_first_walk`), graphs held within ``hold_limit`` tokens beyond the running part.
 
@@ -401,8 +424,13 @@ def forward_only_schedule(sizes: Sequence[int], producers: Producers) -> Schedul
     return Schedule(tuple(sizes), tuple(events))
 
 
-def step_schedule(sizes: Sequence[int], producers: Producers, self_contained: Sequence[bool], form: LossForm,
-                  hold_limit: int) -> Schedule:  # fmt: skip
+def step_schedule(
+    sizes: Sequence[int],
+    producers: Producers,
+    self_contained: Sequence[bool],
+    form: LossForm,
+    hold_limit: int,
+) -> Schedule:
     """The schedule of a step over parts of ``sizes`` under a loss of ``form``.
 
     ``self_contained[p]``: part ``p`` holds whole trees (it reads no part and none reads it). A single

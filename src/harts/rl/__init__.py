@@ -19,6 +19,16 @@ from harts.rl.sampler import SamplingConfig, TreeSample, sample_tree
 from harts.rl.task import Episode, RunningSum, TaskConfig, build_task
 
 __all__ = [
-    "Layout", "RLConfig", "load_rl_config", "rl_step", "run_rl", "SamplingConfig", "TreeSample",
-    "sample_tree", "Episode", "RunningSum", "TaskConfig", "build_task",
-]  # fmt: skip
+    "Layout",
+    "RLConfig",
+    "load_rl_config",
+    "rl_step",
+    "run_rl",
+    "SamplingConfig",
+    "TreeSample",
+    "sample_tree",
+    "Episode",
+    "RunningSum",
+    "TaskConfig",
+    "build_task",
+]

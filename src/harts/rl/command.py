@@ -34,14 +34,24 @@ def main(argv: list[str] | None = None) -> dict | None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", metavar="CONFIG.toml", help="the run's config (docs/online_rl.md)")
-    parser.add_argument("--out", metavar="DIR", help="output directory (default: the config's out, else "
-                        "runs/<config name>-<layout>)")  # fmt: skip
-    parser.add_argument("--layout", choices=("tree", "flat"), help="train each step's rollouts merged by "
-                        "common prefix (tree) or each trajectory alone (flat); overrides the "
-                        "config")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output directory (default: the config's out, else runs/<config name>-<layout>)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("tree", "flat"),
+        help="train each step's rollouts merged by "
+        "common prefix (tree) or each trajectory alone (flat); overrides the "
+        "config",
+    )
     parser.add_argument("--steps", type=int, metavar="N", help="steps of the run; overrides the config")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
-                        "in DIR (verified first)")  # fmt: skip
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in DIR (verified first)",
+    )
     args = parser.parse_args(argv)
 
     from harts.rl.config import load_rl_config
@@ -54,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:
         return run_rl(config, out, resume=args.resume)
     except KeyboardInterrupt:
-        print("harts rl: interrupted; the last complete checkpoint is kept (continue with --resume)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "harts rl: interrupted; the last complete checkpoint is kept (continue with --resume)",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     except TrainingDiverged as exc:
         print(f"harts rl: error: {exc}", file=sys.stderr)

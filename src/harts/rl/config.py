@@ -40,8 +40,8 @@ from harts.trainer.config import (
     RunSection,
     ScheduleConfig,
     build_section,
-    read_toml_config,
 )
+from harts.trainer.toml_sections import read_toml_config
 
 __all__ = ["Layout", "RLConfig", "load_rl_config", "parse_rl_config", "SECTIONS"]
 

@@ -85,8 +85,9 @@ def rl_step(
     rows = estimate_advantages(rows, objective.advantage, forest, **objective.advantage_params)
     scored = advantages_to_rollouts(rollouts, rows, rows.advantage)
     normalizers = normalizers_for(rows, max_length=objective.max_length)
-    result = rollout_step(model, scored, loss, share_prefixes=Layout(layout) is Layout.TREE,
-                          normalizers=normalizers, run=run)  # fmt: skip
+    result = rollout_step(
+        model, scored, loss, share_prefixes=Layout(layout) is Layout.TREE, normalizers=normalizers, run=run
+    )
     return result, forest
 
 
@@ -111,13 +112,17 @@ class _RL(Run):
         config = self.config
         check_backends(config.logging.writers)  # a missing package refused before the model loads
         if config.model.gradient_checkpointing:
-            raise ValueError("model.gradient_checkpointing: the sampler needs the model's cache, which "
-                             "transformers turns off under gradient checkpointing in train mode")  # fmt: skip
+            raise ValueError(
+                "model.gradient_checkpointing: the sampler needs the model's cache, which "
+                "transformers turns off under gradient checkpointing in train mode"
+            )
         start, state = self.resume_point(resume)
         if state is not None:
             if state["layout"] != config.layout or state["seed"] != config.seed:
-                raise ValueError(f"{start.path.name} is of a run with layout {state['layout']} and seed "
-                                 f"{state['seed']}: resume with the same layout and seed")  # fmt: skip
+                raise ValueError(
+                    f"{start.path.name} is of a run with layout {state['layout']} and seed "
+                    f"{state['seed']}: resume with the same layout and seed"
+                )
             if state["step"] > config.steps:
                 raise ValueError(f"{start.path.name} is past the run's {config.steps} steps: raise steps")
         seed = config.seed if config.model.seed is None else config.model.seed
@@ -140,10 +145,12 @@ class _RL(Run):
             self.say(f"resuming from {start.path} (step {self.step})")
         sampling = config.sampling
         self.describe_model(split)
-        self.say(f"task {config.task.name}: {config.task.turns} turns, vocabulary {self.task.vocab_size}; "
-                 f"{sampling.prompts_per_step} episodes x {sampling.leaves()} branches per step "
-                 f"(branching {list(sampling.branching)}, temperature {sampling.temperature}); layout "
-                 f"{self.layout.value}; {config.steps} steps; out {self.out}")  # fmt: skip
+        self.say(
+            f"task {config.task.name}: {config.task.turns} turns, vocabulary {self.task.vocab_size}; "
+            f"{sampling.prompts_per_step} episodes x {sampling.leaves()} branches per step "
+            f"(branching {list(sampling.branching)}, temperature {sampling.temperature}); layout "
+            f"{self.layout.value}; {config.steps} steps; out {self.out}"
+        )
         return start
 
     def sample(self, step: int) -> TreeSample:
@@ -162,8 +169,10 @@ class _RL(Run):
             result, forest = rl_step(self.model, rollouts, config.objective, self.loss, run, self.layout)
         if verify:
             took = time.perf_counter() - began
-            self.say(f"step {self.step + 1} verified against the stock forward (a sample of its "
-                     f"trajectories, within the bounds of docs/verification.md; {took:.2f} s with the check)")
+            self.say(
+                f"step {self.step + 1} verified against the stock forward (a sample of its "
+                f"trajectories, within the bounds of docs/verification.md; {took:.2f} s with the check)"
+            )
         self.updated = True
         grad_norm, lrs = self.clip_and_step(result)
         return result, forest, grad_norm, lrs
@@ -182,12 +191,24 @@ class _RL(Run):
             self.rewards.append(record["reward"])
             yield record
 
-    def _record(self, sample: TreeSample, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
-                sample_s: float, train_s: float) -> dict:  # fmt: skip
+    def _record(
+        self,
+        sample: TreeSample,
+        result: StepResult,
+        forest: Forest,
+        grad_norm: float,
+        lrs: dict,
+        sample_s: float,
+        train_s: float,
+    ) -> dict:
         rewards = sample.rewards
-        record = {"step": self.step, "layout": self.layout.value, "reward": float(rewards.mean()),
-                  "reward_std": float(rewards.std(unbiased=False)),
-                  **update_metrics(result, grad_norm, lrs)}  # fmt: skip
+        record = {
+            "step": self.step,
+            "layout": self.layout.value,
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            **update_metrics(result, grad_norm, lrs),
+        }
         same = groups_same_reward(sample.rollouts)
         if same is not None:
             record["groups_same_reward"] = same
@@ -209,16 +230,24 @@ class _RL(Run):
             computed_tokens_per_s=computed / train_s,
         )
         rates = self.throughput.record(forest, sample.rollouts, train_s)
-        record.update(loss_tokens=rates["loss_tokens"], loss_tokens_per_s=rates["loss_tokens_per_s"],
-                      flat_tokens_per_s=rates["flat_tokens_per_s"])  # fmt: skip
+        record.update(
+            loss_tokens=rates["loss_tokens"],
+            loss_tokens_per_s=rates["loss_tokens_per_s"],
+            flat_tokens_per_s=rates["flat_tokens_per_s"],
+        )
         if "model_flops_per_s" in rates:  # the layout's own work: the flat one computes every token
             tree = self.layout is Layout.TREE
             record["model_flops_per_s"] = rates["model_flops_per_s" if tree else "flat_flops_per_s"]
         return record
 
     def checkpoint_state(self) -> dict:
-        return {"step": self.step, "layout": self.layout.value, "seed": self.config.seed,
-                "wall_seconds": self.wall, "threads": torch.get_num_threads()}  # fmt: skip
+        return {
+            "step": self.step,
+            "layout": self.layout.value,
+            "seed": self.config.seed,
+            "wall_seconds": self.wall,
+            "threads": torch.get_num_threads(),
+        }
 
     def trainer_state(self) -> dict:
         return {"optimizers": self.optim.state_dict()}
@@ -227,10 +256,17 @@ class _RL(Run):
         rewards, session = self.rewards, self.session
         tail = rewards[-max(1, len(rewards) // 10) :] if rewards else [float("nan")]
         head = rewards[0] if rewards else float("nan")
-        self.say(f"done: {self.step} steps, {session:.1f} s; reward {head:.3f} at the first step of this "
-                 f"session, {sum(tail) / len(tail):.3f} over its last {len(tail)}")  # fmt: skip
-        return {"steps": self.step, "checkpoint": str(last) if last else None, "resumed_from": first,
-                "seconds": session, "final_reward": sum(tail) / len(tail)}  # fmt: skip
+        self.say(
+            f"done: {self.step} steps, {session:.1f} s; reward {head:.3f} at the first step of this "
+            f"session, {sum(tail) / len(tail):.3f} over its last {len(tail)}"
+        )
+        return {
+            "steps": self.step,
+            "checkpoint": str(last) if last else None,
+            "resumed_from": first,
+            "seconds": session,
+            "final_reward": sum(tail) / len(tail),
+        }
 
 
 def run_rl(config: RLConfig, out: str | Path, resume: bool = False, log: TextIO | None = None) -> dict:

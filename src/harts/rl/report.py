@@ -28,17 +28,19 @@ def _duration(seconds: float) -> str:
 
 def progress_line(record: dict, total: int, eta: float) -> str:
     """``step 4/150 | reward 0.312 | loss -0.0123 | gnorm 0.51 | tree: 523 tokens for 8,400 flat ...``."""
-    return " | ".join([
-        f"step {record['step']}/{total}",
-        f"reward {record['reward']:.3f}",
-        f"loss {record['loss']:.4f}",
-        f"gnorm {record['grad_norm']:.3g}",
-        f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat, "
-        f"{record['loss_tokens']:,} loss (shared {record['redundancy']:.1f}x)",
-        *([f"{record['model_flops_per_s'] / 1e12:.3g} TFLOP/s"] if "model_flops_per_s" in record else []),
-        f"sample {record['sample_seconds']:.2f} s train {record['train_seconds']:.2f} s",
-        f"eta {_duration(eta)}",
-    ])  # fmt: skip
+    return " | ".join(
+        [
+            f"step {record['step']}/{total}",
+            f"reward {record['reward']:.3f}",
+            f"loss {record['loss']:.4f}",
+            f"gnorm {record['grad_norm']:.3g}",
+            f"{record['layout']}: {record['computed_tokens']:,} tokens for {record['tokens']:,} flat, "
+            f"{record['loss_tokens']:,} loss (shared {record['redundancy']:.1f}x)",
+            *([f"{record['model_flops_per_s'] / 1e12:.3g} TFLOP/s"] if "model_flops_per_s" in record else []),
+            f"sample {record['sample_seconds']:.2f} s train {record['train_seconds']:.2f} s",
+            f"eta {_duration(eta)}",
+        ]
+    )
 
 
 def _pyplot():

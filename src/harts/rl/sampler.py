@@ -59,8 +59,9 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.prompts_per_step >= 1:
-            raise ValueError(f"sampling.prompts_per_step: expected a positive integer, got "
-                             f"{self.prompts_per_step}")  # fmt: skip
+            raise ValueError(
+                f"sampling.prompts_per_step: expected a positive integer, got {self.prompts_per_step}"
+            )
         for i, b in enumerate(self.branching):
             if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                 raise ValueError(f"sampling.branching[{i}]: expected a positive integer, got {b!r}")
@@ -108,6 +109,32 @@ def _draw(logits: Tensor, temperature: float, generator: torch.Generator) -> tup
     return token[:, 0], logprobs.gather(-1, token)[:, 0]
 
 
+def _checked(model, task: RunningSum, episodes, config: SamplingConfig, group_ids) -> list:
+    """The episodes' group ids, once the model, the task and the sampling config are known to fit
+    (ValueError naming what does not)."""
+    if len(config.branching) != task.turns:
+        raise ValueError(
+            f"sampling.branching has {len(config.branching)} entries but the task has "
+            f"{task.turns} turns: give one per turn"
+        )
+    if not episodes:
+        raise ValueError("no episodes to sample")
+    family = getattr(model.config, "model_type", None)
+    why = cache_not_exact(family)
+    if why is not None:
+        raise ValueError(f"harts rl cannot sample {family}: {why}")
+    vocab = model.config.get_text_config().vocab_size
+    if vocab != task.vocab_size:
+        raise ValueError(
+            f"the model's vocab_size is {vocab}, the task's vocabulary has {task.vocab_size} "
+            f"tokens: build the model with vocab_size={task.vocab_size}"
+        )
+    group_ids = list(range(len(episodes))) if group_ids is None else list(group_ids)
+    if len(group_ids) != len(episodes):
+        raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episodes")
+    return group_ids
+
+
 def sample_tree(
     model: nn.Module,
     task: RunningSum,
@@ -122,22 +149,7 @@ def sample_tree(
     its current mode; the rollouts' ``rollout_logprobs`` are ``log_softmax(logits / T)`` of each
     sampled token, computed with the cache (the tests check them against a fresh full forward).
     """
-    if len(config.branching) != task.turns:
-        raise ValueError(f"sampling.branching has {len(config.branching)} entries but the task has "
-                         f"{task.turns} turns: give one per turn")  # fmt: skip
-    if not episodes:
-        raise ValueError("no episodes to sample")
-    family = getattr(model.config, "model_type", None)
-    why = cache_not_exact(family)
-    if why is not None:
-        raise ValueError(f"harts rl cannot sample {family}: {why}")
-    vocab = model.config.get_text_config().vocab_size
-    if vocab != task.vocab_size:
-        raise ValueError(f"the model's vocab_size is {vocab}, the task's vocabulary has {task.vocab_size} "
-                         f"tokens: build the model with vocab_size={task.vocab_size}")  # fmt: skip
-    group_ids = list(range(len(episodes))) if group_ids is None else list(group_ids)
-    if len(group_ids) != len(episodes):
-        raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episodes")
+    group_ids = _checked(model, task, episodes, config, group_ids)
     device = next(model.parameters()).device
     seq = torch.tensor([task.prompt(e) for e in episodes], device=device)  # [N, L]
     episode = torch.arange(len(episodes), device=device)  # [N]
@@ -177,10 +189,16 @@ def sample_tree(
         verdicts = [task.check(ep, t, [tok]) for t, tok in enumerate(a)]
         reward = sum(verdicts) / task.turns
         first_error = next((answer_positions[t] for t, ok in enumerate(verdicts) if not ok), None)
-        rollouts.append(Rollout(
-            tokens=seq[row].cpu(), loss_mask=mask[row].cpu(), rollout_logprobs=logp[row].cpu(),
-            reward=reward, group_id=group_ids[e], first_error_position=first_error,
-        ))  # fmt: skip
+        rollouts.append(
+            Rollout(
+                tokens=seq[row].cpu(),
+                loss_mask=mask[row].cpu(),
+                rollout_logprobs=logp[row].cpu(),
+                reward=reward,
+                group_id=group_ids[e],
+                first_error_position=first_error,
+            )
+        )
         rewards.append(reward)
     return TreeSample(rollouts, torch.tensor(rewards, dtype=torch.float64), episode.cpu(), tokens, calls)
 

@@ -60,8 +60,9 @@ class TaskConfig:
         if not 1 <= self.turns <= 64:
             raise ValueError(f"task.turns: expected an integer in [1, 64], got {self.turns}")
         if not 1 <= self.max_addend <= 9:
-            raise ValueError(f"task.max_addend: expected an integer in [1, 9] (one-digit addends), "
-                             f"got {self.max_addend}")  # fmt: skip
+            raise ValueError(
+                f"task.max_addend: expected an integer in [1, 9] (one-digit addends), got {self.max_addend}"
+            )
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,26 @@ from harts.runtime.routing_replay import replayed_routing
 from harts.runtime.verify import Verification, VerificationError
 
 __all__ = [
-    "RunConfig", "TreeOutput", "forward", "RouterRecorder", "find_routers", "replayed_routing",
-    "PartObserver", "StepResult", "forest_backward", "next_token_rows",
-    "forest_logprobs", "forest_row_logprobs", "ForestLogprobs", "RowLogprobs",
-    "forward_values", "ForestValues", "score", "ForestScores", "VerificationError", "Verification",
-    "image_forest", "ForestImages",
-]  # fmt: skip
+    "RunConfig",
+    "TreeOutput",
+    "forward",
+    "RouterRecorder",
+    "find_routers",
+    "replayed_routing",
+    "PartObserver",
+    "StepResult",
+    "forest_backward",
+    "next_token_rows",
+    "forest_logprobs",
+    "forest_row_logprobs",
+    "ForestLogprobs",
+    "RowLogprobs",
+    "forward_values",
+    "ForestValues",
+    "score",
+    "ForestScores",
+    "VerificationError",
+    "Verification",
+    "image_forest",
+    "ForestImages",
+]

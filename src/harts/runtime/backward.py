@@ -78,8 +78,15 @@ from harts.runtime.step_parts import PartObserver, PartRun, RowGrads, StepParts,
 from harts.runtime.verify import Verification, entry_point, readout_on, verify_sample
 from harts.runtime.verify_sharded import is_sharded
 
-__all__ = ["StepResult", "PartObserver", "forest_backward", "next_token_rows", "run_schedule", "loss_form",
-           "check_rows"]  # fmt: skip
+__all__ = [
+    "StepResult",
+    "PartObserver",
+    "forest_backward",
+    "next_token_rows",
+    "run_schedule",
+    "loss_form",
+    "check_rows",
+]
 
 Tensor = torch.Tensor
 LossFn = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, dict[str, Tensor]]"]
@@ -138,25 +145,44 @@ def loss_form(loss_fn, observer: PartObserver) -> LossForm:
 
 
 #: why ``RunConfig(verify=True)`` is refused on an FSDP2-sharded critic
-FSDP_VERIFY = ("RunConfig(verify=True) on an FSDP2-sharded critic is not supported (the sharded check "
-               "runs a causal LM's log-probs): verify the critic on one process or under DDP")  # fmt: skip
+FSDP_VERIFY = (
+    "RunConfig(verify=True) on an FSDP2-sharded critic is not supported (the sharded check "
+    "runs a causal LM's log-probs): verify the critic on one process or under DDP"
+)
 
 
-def verify_training(model: nn.Module, forest: Forest, run: RunConfig, temperature: float, readout,
-                    separable: bool, what: str) -> Verification:  # fmt: skip
+def verify_training(
+    model: nn.Module, forest: Forest, run: RunConfig, temperature: float, readout, separable: bool, what: str
+) -> Verification:
     """``run.verify``'s check of a training call (:func:`harts.runtime.verify.verify_sample`): harts'
     pass on the sample is :func:`forest_backward` under ``run`` unverified, with ``readout``."""
 
     def harts_rows(on, sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
         # an FSDP2 model: harts' own sharded step, in lock step with the other ranks (verify_sharded)
         with _step_of(model if on is None else on, sample_run) as (module, sharded):
-            return forest_backward(module, sub, predictor, target, loss, run=sample_run,
-                                   temperature=temperature, readout=readout_on(readout, model, on),
-                                   sharded=sharded).logprob  # fmt: skip
+            return forest_backward(
+                module,
+                sub,
+                predictor,
+                target,
+                loss,
+                run=sample_run,
+                temperature=temperature,
+                readout=readout_on(readout, model, on),
+                sharded=sharded,
+            ).logprob
 
-    return verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout,
-                         temperature=temperature, gradients=True, separable=separable,
-                         what=what)  # fmt: skip
+    return verify_sample(
+        model,
+        forest,
+        run=run,
+        harts_rows=harts_rows,
+        readout=readout,
+        temperature=temperature,
+        gradients=True,
+        separable=separable,
+        what=what,
+    )
 
 
 @contextlib.contextmanager
@@ -220,8 +246,9 @@ def forest_backward(
         if sharded is not None:
             raise ValueError(FSDP_VERIFY)
         with entry_point("forest_backward"):
-            verified = verify_training(model, forest, run, temperature, readout, form is LossForm.PER_ROW,
-                                       "forest_backward")  # fmt: skip
+            verified = verify_training(
+                model, forest, run, temperature, readout, form is LossForm.PER_ROW, "forest_backward"
+            )
         run = run.unverified
     with run_backend(run, model):
         parts = StepParts(model, forest, predictor, target, loss_fn, run, observer, readout, sharded)
@@ -234,9 +261,16 @@ def forest_backward(
         "total": time.perf_counter() - start,
     }
     return step_result(
-        parts.loss.detach(), parts.logp, parts.ent, layouts=layouts, tokens_per_micro_batch=parts.sizes,
-        timings=timings, metrics={**parts.metrics, **(verified.metrics() if verified else {})},
-        num_cuts=parts.plan.num_cuts, part_forwards=parts.forwards,
-        recomputed_parts=tuple(sorted(parts.recomputed)), peak_held_tokens=parts.peak_held_tokens,
+        parts.loss.detach(),
+        parts.logp,
+        parts.ent,
+        layouts=layouts,
+        tokens_per_micro_batch=parts.sizes,
+        timings=timings,
+        metrics={**parts.metrics, **(verified.metrics() if verified else {})},
+        num_cuts=parts.plan.num_cuts,
+        part_forwards=parts.forwards,
+        recomputed_parts=tuple(sorted(parts.recomputed)),
+        peak_held_tokens=parts.peak_held_tokens,
         schedule=schedule,
-    )  # fmt: skip
+    )

@@ -99,8 +99,15 @@ def forward_values(
     positions = [np.arange(1, n) for n in lengths]
     predictor, target = position_rows(forest, positions)
     with entry_point("forward_values"):  # a failed check names the function the user called
-        rows = forest_row_readout(critic, forest, predictor, torch.zeros_like(target), ScalarReadout(head),
-                                  run=run, budget_tokens=budget_tokens)  # fmt: skip
+        rows = forest_row_readout(
+            critic,
+            forest,
+            predictor,
+            torch.zeros_like(target),
+            ScalarReadout(head),
+            run=run,
+            budget_tokens=budget_tokens,
+        )
     return ForestValues(
         PositionScatter(lengths, positions, rows.logprob.device)(rows.logprob, fill), forest, rows
     )
@@ -141,6 +148,13 @@ def score(
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     positions = score_positions(forest, getattr(text_config, "pad_token_id", None))
     predictor = torch.stack([forest.trajectory_token_indices(i)[q] for i, q in enumerate(positions)])
-    rows = forest_row_readout(reward_model, forest, predictor, torch.zeros_like(predictor),
-                              ScalarReadout(head), run=run, budget_tokens=budget_tokens)  # fmt: skip
+    rows = forest_row_readout(
+        reward_model,
+        forest,
+        predictor,
+        torch.zeros_like(predictor),
+        ScalarReadout(head),
+        run=run,
+        budget_tokens=budget_tokens,
+    )
     return ForestScores(rows.logprob, positions, forest, rows)

@@ -47,10 +47,15 @@ from harts.runtime.model_checks import resolve_model, sharded_step
 from harts.runtime.sharded import ShardedStep
 
 __all__ = [
-    "DataParallel", "all_reduce_sum", "close_process_group", "data_parallel", "data_parallel_step",
+    "DataParallel",
+    "all_reduce_sum",
+    "close_process_group",
+    "data_parallel",
+    "data_parallel_step",
     "forward_only_step",
-    "unwrap_data_parallel", "warn_unwrapped",
-]  # fmt: skip
+    "unwrap_data_parallel",
+    "warn_unwrapped",
+]
 
 Tensor = torch.Tensor
 
@@ -179,10 +184,12 @@ def _sum_over_ranks(dp: DataParallel, grads: list[Tensor | None], like: list[Ten
         if present[i] > 0:
             by_dtype.setdefault((ref.dtype, ref.device), []).append(i)
     for (dtype, device), index in by_dtype.items():
-        flat = torch.cat([
-            (grads[i] if grads[i] is not None else torch.zeros_like(like[i])).reshape(-1).to(dtype)
-            for i in index
-        ]).to(device)  # fmt: skip
+        flat = torch.cat(
+            [
+                (grads[i] if grads[i] is not None else torch.zeros_like(like[i])).reshape(-1).to(dtype)
+                for i in index
+            ]
+        ).to(device)
         dp.all_reduce_sum(flat)
         for i, piece in zip(index, flat.split([like[i].numel() for i in index]), strict=True):
             out[i] = piece.view(like[i].shape)
@@ -238,8 +245,9 @@ def _check_fsdp_units(model: nn.Module, causal_lm: nn.Module, modules: list[nn.M
 
 
 @contextlib.contextmanager
-def _fsdp_step(dp: DataParallel, overlap: bool, forward_only: bool = False
-               ) -> Iterator[tuple[nn.Module, DataParallel]]:  # fmt: skip
+def _fsdp_step(
+    dp: DataParallel, overlap: bool, forward_only: bool = False
+) -> Iterator[tuple[nn.Module, DataParallel]]:
     from harts.adapters import adapter_for
 
     model = dp.wrapper
@@ -260,8 +268,9 @@ def _fsdp_step(dp: DataParallel, overlap: bool, forward_only: bool = False
 
 
 @contextlib.contextmanager
-def forward_only_step(model: nn.Module, overlap: bool = True
-                      ) -> Iterator[tuple[nn.Module, ShardedStep | None]]:  # fmt: skip
+def forward_only_step(
+    model: nn.Module, overlap: bool = True
+) -> Iterator[tuple[nn.Module, ShardedStep | None]]:
     """``(module, sharded)`` for a pass without autograd on ``model``: DDP's module (no gradient
     to synchronise) or a plain model with ``sharded`` None; an FSDP2 model with its units gathered
     layer by layer in lock step with the other ranks (every rank must enter, one with no trees

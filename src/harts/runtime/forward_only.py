@@ -56,8 +56,14 @@ from harts.runtime.readout import Readout, readout_for
 from harts.runtime.step_parts import PartObserver, StepParts, check_rows
 from harts.runtime.verify import entry_point, readout_on, verify_sample
 
-__all__ = ["RowLogprobs", "ForestLogprobs", "forest_row_logprobs", "forest_row_readout", "forest_logprobs",
-           "stand_in_forward_only"]  # fmt: skip
+__all__ = [
+    "RowLogprobs",
+    "ForestLogprobs",
+    "forest_row_logprobs",
+    "forest_row_readout",
+    "forest_logprobs",
+    "stand_in_forward_only",
+]
 
 Tensor = torch.Tensor
 
@@ -143,8 +149,9 @@ def forest_row_logprobs(
     micro-batch. ``temperature`` T: of ``softmax(logits / T)``. Every check runs before any
     compute.
     """
-    return forest_row_readout(model, forest, predictor, target, None, run=run, budget_tokens=budget_tokens,
-                              temperature=temperature)  # fmt: skip
+    return forest_row_readout(
+        model, forest, predictor, target, None, run=run, budget_tokens=budget_tokens, temperature=temperature
+    )
 
 
 def forest_row_readout(
@@ -181,28 +188,45 @@ def forest_row_readout(
         "handoff": parts.clock.seconds["handoff"],
         "total": time.perf_counter() - start,
     }
-    return RowLogprobs(parts.logp, parts.ent, len(parts.sizes), parts.plan.num_cuts, parts.sizes,
-                       parts.forwards, timings)  # fmt: skip
+    return RowLogprobs(
+        parts.logp, parts.ent, len(parts.sizes), parts.plan.num_cuts, parts.sizes, parts.forwards, timings
+    )
 
 
-def _verify(wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig, readout: Readout,
-            temperature: float) -> None:  # fmt: skip
+def _verify(
+    wrapped: nn.Module, model: nn.Module, forest: Forest, run: RunConfig, readout: Readout, temperature: float
+) -> None:
     """``run.verify``'s check of a forward-only pass: the sample's values against the stock forward."""
     dp = data_parallel(wrapped)
     if dp is not None and dp.kind == "fsdp":
         raise ValueError(FSDP_VERIFY)
 
     def harts_rows(on, sub: Forest, predictor: Tensor, target: Tensor, loss, sample_run: RunConfig) -> Tensor:
-        return forest_row_readout(wrapped if on is None else on, sub, predictor, target,
-                                  readout_on(readout, model, on), run=sample_run,
-                                  temperature=temperature).logprob  # fmt: skip
+        return forest_row_readout(
+            wrapped if on is None else on,
+            sub,
+            predictor,
+            target,
+            readout_on(readout, model, on),
+            run=sample_run,
+            temperature=temperature,
+        ).logprob
 
-    verify_sample(model, forest, run=run, harts_rows=harts_rows, readout=readout, temperature=temperature,
-                  gradients=False, what="a forward-only pass")  # fmt: skip
+    verify_sample(
+        model,
+        forest,
+        run=run,
+        harts_rows=harts_rows,
+        readout=readout,
+        temperature=temperature,
+        gradients=False,
+        what="a forward-only pass",
+    )
 
 
-def forest_and_masks(inputs, share_prefixes: bool, model: nn.Module | None = None
-                     ) -> tuple[Forest, list | None]:  # fmt: skip
+def forest_and_masks(
+    inputs, share_prefixes: bool, model: nn.Module | None = None
+) -> tuple[Forest, list | None]:
     """The forest of ``inputs`` and, for rollouts, their loss masks (None where absent). Rollouts
     with images need the multimodal ``model`` they run on (:func:`harts.image_forest`)."""
     if isinstance(inputs, Forest):
@@ -284,13 +308,17 @@ def forest_logprobs(
         positions = [np.arange(1, n) for n in lengths]
     predictor, target = position_rows(forest, positions)
     with entry_point("forest_logprobs"):  # a failed check names the function the user called
-        rows = forest_row_logprobs(model, forest, predictor, target, run=run, budget_tokens=budget_tokens,
-                                   temperature=temperature)  # fmt: skip
+        rows = forest_row_logprobs(
+            model, forest, predictor, target, run=run, budget_tokens=budget_tokens, temperature=temperature
+        )
     scatter = PositionScatter(lengths, positions, rows.logprob.device)
     return ForestLogprobs(
-        scatter(rows.logprob, fill), scatter(rows.entropy, fill) if entropies else None, scatter.scored(),
-        forest, rows,
-    )  # fmt: skip
+        scatter(rows.logprob, fill),
+        scatter(rows.entropy, fill) if entropies else None,
+        scatter.scored(),
+        forest,
+        rows,
+    )
 
 
 def position_rows(forest: Forest, positions: list[np.ndarray]) -> tuple[Tensor, Tensor]:

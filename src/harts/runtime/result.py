@@ -26,8 +26,16 @@ from harts.batch_positions import BatchLayout
 from harts.plan.layout import TreeLayout
 from harts.plan.schedule import Schedule
 
-__all__ = ["StepResult", "StepLoss", "RowValues", "StepPlan", "RowPositions", "RoutingStats", "step_result",
-           "replace_result"]  # fmt: skip
+__all__ = [
+    "StepResult",
+    "StepLoss",
+    "RowValues",
+    "StepPlan",
+    "RowPositions",
+    "RoutingStats",
+    "step_result",
+    "replace_result",
+]
 
 Tensor = torch.Tensor
 
@@ -241,8 +249,12 @@ def step_result(
     """A :class:`StepResult` from its flat fields: the loss and row values, the plan's ``layouts``
     and ``tokens_per_micro_batch``, and any other field of its parts by name (``metrics``,
     ``num_cuts``, ``part_forwards``, ``recomputed_parts``, ``rows``...)."""
-    empty = StepResult(StepLoss(loss), RowValues(logprob, entropy), StepPlan(layouts, tokens_per_micro_batch),
-                       dict(timings or {}))  # fmt: skip
+    empty = StepResult(
+        StepLoss(loss),
+        RowValues(logprob, entropy),
+        StepPlan(layouts, tokens_per_micro_batch),
+        dict(timings or {}),
+    )
     return replace_result(empty, **fields) if fields else empty
 
 

@@ -122,8 +122,15 @@ class _Lockstep:
 class ShardedStep:
     """One step of an FSDP2 model with its units gathered layer by layer (module docstring)."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], fsdp_modules: list[nn.Module], group=None,
-                 overlap: bool = True, forward_only: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[nn.Module],
+        fsdp_modules: list[nn.Module],
+        group=None,
+        overlap: bool = True,
+        forward_only: bool = False,
+    ):
         self.forward_only = forward_only  # no backward on any rank: no gradient sum at the end
         layer_ids = {id(m) for m in layers}
         self.group = group
@@ -168,8 +175,9 @@ class ShardedStep:
         used = used.cpu()
         offset = 0
         for u in units:
-            for p, before, count in zip(u.sharded, u.grad_before, used[offset : offset + len(u.sharded)],
-                                        strict=True):  # fmt: skip
+            for p, before, count in zip(
+                u.sharded, u.grad_before, used[offset : offset + len(u.sharded)], strict=True
+            ):
                 if count == 0 and not before:
                     p.grad = None
             offset += len(u.sharded)
@@ -213,8 +221,13 @@ class ShardedStep:
         segments.embedded = hidden
         return hidden.detach().requires_grad_()
 
-    def layer(self, index: int, fn: Callable[[Tensor], Tensor] | None, hidden: Tensor | None,
-              segments: PartSegments | None) -> Tensor | None:  # fmt: skip
+    def layer(
+        self,
+        index: int,
+        fn: Callable[[Tensor], Tensor] | None,
+        hidden: Tensor | None,
+        segments: PartSegments | None,
+    ) -> Tensor | None:
         """Layer ``index`` of a part's forward with its unit gathered; with ``segments`` (autograd),
         its input becomes a leaf and the segment is recorded. ``fn`` None: another rank's forward,
         the same gathers and nothing computed."""
@@ -235,8 +248,12 @@ class ShardedStep:
         return hidden
 
     # ---- backward ------------------------------------------------------------------------------
-    def backward(self, segments: PartSegments | None, top_roots: list[tuple[Tensor, Tensor]],
-                 layer_roots: dict[int, list[tuple[Tensor, Tensor]]]) -> None:  # fmt: skip
+    def backward(
+        self,
+        segments: PartSegments | None,
+        top_roots: list[tuple[Tensor, Tensor]],
+        layer_roots: dict[int, list[tuple[Tensor, Tensor]]],
+    ) -> None:
         """A part's backward, layer by layer: ``top_roots`` (row outputs and their gradients) into
         the final norm's input, then each layer, last first, from its output (the gradient its
         successor sent) and ``layer_roots[index]`` (its exports' gradients from later parts), the
@@ -354,8 +371,13 @@ class ShardedStep:
                     s = unit.sharded[i]
                     if sharded:
                         # the shard's own device: the CPU under FSDP2's CPUOffloadPolicy
-                        new = DTensor.from_local(local.to(_local(s).device).contiguous(), s.device_mesh,
-                                                 s.placements, shape=s.shape, stride=s.stride())  # fmt: skip
+                        new = DTensor.from_local(
+                            local.to(_local(s).device).contiguous(),
+                            s.device_mesh,
+                            s.placements,
+                            shape=s.shape,
+                            stride=s.stride(),
+                        )
                     else:
                         new = local
                     s.grad = new if s.grad is None else s.grad + new
@@ -418,8 +440,9 @@ def _shard_dim(sharded) -> int:
 
     placement = sharded.placements[0]
     if len(sharded.placements) != 1 or not isinstance(placement, Shard):
-        raise ValueError(f"harts handles FSDP2 parameters sharded on one mesh dimension, got "
-                         f"{sharded.placements}")  # fmt: skip
+        raise ValueError(
+            f"harts handles FSDP2 parameters sharded on one mesh dimension, got {sharded.placements}"
+        )
     return placement.dim
 
 

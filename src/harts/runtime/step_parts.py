@@ -111,8 +111,9 @@ RowGrads = tuple[Tensor | None, Tensor | None]
 class StepParts:
     """The parts of one step: their plan, forwards and backwards, and the hand-over between them."""
 
-    def __init__(self, model, forest, predictor, target, loss_fn, run, observer, readout: Readout,
-                 sharded=None):  # fmt: skip
+    def __init__(
+        self, model, forest, predictor, target, loss_fn, run, observer, readout: Readout, sharded=None
+    ):
         self.model, self.loss_fn, self.run, self.observer = model, loss_fn, run, observer
         self.sharded = sharded
         self.readout = readout
@@ -189,8 +190,9 @@ class StepParts:
             segments = PartSegments() if grad else None
         self.observer.before_part(p, lay, first)
         with torch.set_grad_enabled(grad):
-            hidden, exports = run_layout(self.model, lay, ext, self.run.recompute_linear, self.sharded,
-                                         segments)  # fmt: skip
+            hidden, exports = run_layout(
+                self.model, lay, ext, self.run.recompute_linear, self.sharded, segments
+            )
             if rows.size:
                 local = torch.as_tensor(self.local_index[self.pred_np[rows]], device=self.device)
                 lp, en = self.readout(hidden, local, self.target[rows].to(self.device), self.run.chunk_rows)
@@ -231,8 +233,10 @@ class StepParts:
 
     def _backward(self, p: int, part_run: PartRun, row_terms: list[tuple[Tensor, Tensor]]) -> None:
         received = self.clock.timed("handoff", self.banks.received, p)
-        exported = [(layer, self._export(part_run, layer, name, node), g)
-                    for (layer, name, node), g in received.items()]  # fmt: skip
+        exported = [
+            (layer, self._export(part_run, layer, name, node), g)
+            for (layer, name, node), g in received.items()
+        ]
         if self.sharded is not None:  # layer by layer, each unit gathered for its own backward
             by_layer: dict[int, list[tuple[Tensor, Tensor]]] = {}
             for layer, t, g in exported + self._term_roots(part_run):

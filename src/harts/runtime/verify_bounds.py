@@ -18,8 +18,16 @@ from torch import Tensor
 
 from harts.runtime.verify_kernels import KernelFigures
 
-__all__ = ["VerificationError", "Where", "check_values", "check_gradients", "raise_on_kernels",
-           "LOGPROB_ATOL", "GRAD_RTOL", "LOW_PRECISION_FACTOR"]  # fmt: skip
+__all__ = [
+    "VerificationError",
+    "Where",
+    "check_values",
+    "check_gradients",
+    "raise_on_kernels",
+    "LOGPROB_ATOL",
+    "GRAD_RTOL",
+    "LOW_PRECISION_FACTOR",
+]
 
 LOGPROB_ATOL = 2e-4  # fp32: a log-prob is a logit minus a log-sum-exp, each within 1e-4 of exact
 GRAD_RTOL = 1e-4  # fp32 gradient relative error (the exactness bound)
@@ -92,10 +100,17 @@ def check_gradients(
     up to the whole parameter's and every rank reaches the same verdict."""
     names = list(truth)
     figures = torch.tensor(
-        [[float(t.numel()), float(t.pow(2).sum()), float((harts[n] - t).pow(2).sum()),
-          float((stock[n] - t).pow(2).sum())] for n, t in truth.items()],
+        [
+            [
+                float(t.numel()),
+                float(t.pow(2).sum()),
+                float((harts[n] - t).pow(2).sum()),
+                float((stock[n] - t).pow(2).sum()),
+            ]
+            for n, t in truth.items()
+        ],
         dtype=torch.float64,
-    ).reshape(len(names), 4)  # fmt: skip
+    ).reshape(len(names), 4)
     if reduce is not None:
         reduce(figures)
     numel, norm2, error2, stock2 = figures.unbind(1)

@@ -82,9 +82,9 @@ def _occurrences(forest: Forest, trajectory: int, keep: int) -> SampleImages:
     return SampleImages(pixels, grids)
 
 
-def sample_images(model: nn.Module, forest: Forest, spans: list[tuple[int, int]], routes) -> tuple[
-    Forest, list[SampleImages]
-]:  # fmt: skip
+def sample_images(
+    model: nn.Module, forest: Forest, spans: list[tuple[int, int]], routes
+) -> tuple[Forest, list[SampleImages]]:
     """The sample's forest with its images (built as the call's, :func:`harts.image_forest`) and
     each sampled trajectory's images for the stock forward."""
     own = [_occurrences(forest, i, keep) for i, keep in spans]

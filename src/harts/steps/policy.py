@@ -143,8 +143,9 @@ def forest_step(
             sharded_check = _verify(_checked_module(model), forest, config, run)
         run = run.unverified
     with data_parallel_step(model, overlap=run.fsdp_overlap) as (module, dp), entry_point("forest_step"):
-        result, observer, verified = _local_step(module, dp, forest, rows, config, normalizers, run, moe,
-                                                 old_logprob)  # fmt: skip
+        result, observer, verified = _local_step(
+            module, dp, forest, rows, config, normalizers, run, moe, old_logprob
+        )
     verified = verified or sharded_check
     if dp is not None:
         result = _sum_results(result, dp, observer)

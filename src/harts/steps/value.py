@@ -125,16 +125,18 @@ def value_step(
     metrics = {**result.metrics, "explained_variance": variance.to(result.loss.dtype)}
     if verified is not None:  # this rank's check's figures, after the sum over ranks
         metrics.update(verified.metrics())
-    return replace_result(result, rows=rows, value=value, metrics=metrics,
-                          batch_layout=getattr(rollouts, "layout", None))  # fmt: skip
+    return replace_result(
+        result, rows=rows, value=value, metrics=metrics, batch_layout=getattr(rollouts, "layout", None)
+    )
 
 
 def _sum_metrics(result: StepResult, dp: DataParallel) -> StepResult:
     """The loss and metrics of the whole step on every rank: each rank's are sums over the step's
     normalisers, so they add up."""
     names = sorted(n for n in result.metrics if n != "loss")
-    values = torch.stack([result.loss.detach().double().reshape(())]
-                         + [result.metrics[n].double().reshape(()) for n in names])  # fmt: skip
+    values = torch.stack(
+        [result.loss.detach().double().reshape(())] + [result.metrics[n].double().reshape(()) for n in names]
+    )
     dp.all_reduce_sum(values)
     loss, metrics = values[0].to(result.loss.dtype), dict(result.metrics)
     for n, v in zip(names, values[1:], strict=True):
@@ -148,8 +150,15 @@ def _explained_variance_over_ranks(value: Tensor, target: Tensor, dp: DataParall
     """:func:`explained_variance` over every rank's rows, from their summed moments (fp64)."""
     value, target = value.detach().double(), target.detach().double()
     error = target - value
-    moments = torch.stack([torch.tensor(float(target.numel()), dtype=torch.float64), target.sum(),
-                           (target * target).sum(), error.sum(), (error * error).sum()])  # fmt: skip
+    moments = torch.stack(
+        [
+            torch.tensor(float(target.numel()), dtype=torch.float64),
+            target.sum(),
+            (target * target).sum(),
+            error.sum(),
+            (error * error).sum(),
+        ]
+    )
     n, r, rr, e, ee = dp.all_reduce_sum(moments.cpu()).tolist()
     if n == 0:
         return torch.tensor(float("nan"), dtype=torch.float64)

@@ -20,7 +20,8 @@ optimizers and schedules, the loop, checkpoints that survive a kill, progress an
 Guide and config reference: ``docs/training.md``.
 """
 
-from harts.trainer.config import TrainConfig, load_config
+from harts.trainer.config import TrainConfig
+from harts.trainer.config_files import load_config
 from harts.trainer.loop import train
 
 __all__ = ["TrainConfig", "load_config", "train"]

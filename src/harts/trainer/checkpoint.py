@@ -26,9 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "list_checkpoints", "write_checkpoint", "verify", "latest", "prune",
+    "Checkpoint",
+    "CheckpointError",
+    "list_checkpoints",
+    "write_checkpoint",
+    "verify",
+    "latest",
+    "prune",
     "run_lock",
-]  # fmt: skip
+]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -183,8 +189,11 @@ def latest(root: Path) -> Checkpoint | None:
     try:
         verify(newest)
     except CheckpointError as exc:
-        hint = (f"; delete it to resume from {found[-2].path.name}" if len(found) > 1
-                else "; delete it to start over")  # fmt: skip
+        hint = (
+            f"; delete it to resume from {found[-2].path.name}"
+            if len(found) > 1
+            else "; delete it to start over"
+        )
         raise CheckpointError(f"{exc}{hint}") from None
     return newest
 

@@ -55,19 +55,28 @@ def main(argv: list[str] | None = None) -> dict | None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", metavar="CONFIG.toml", help="the run's config (docs/training.md)")
-    parser.add_argument("--out", metavar="DIR", help="output directory (default: the config's out, else "
-                        "runs/<config name>)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint "
-                        "in DIR (verified first; starts from step 0 when there is none)")  # fmt: skip
-    parser.add_argument("--accept-changed-data", action="store_true", help="with --resume: continue from "
-                        "the checkpoint's step on a rollout file that changed since it was written (what "
-                        "changed is printed; the run then differs from an uninterrupted one)")  # fmt: skip
+    parser.add_argument(
+        "--out", metavar="DIR", help="output directory (default: the config's out, else runs/<config name>)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint "
+        "in DIR (verified first; starts from step 0 when there is none)",
+    )
+    parser.add_argument(
+        "--accept-changed-data",
+        action="store_true",
+        help="with --resume: continue from "
+        "the checkpoint's step on a rollout file that changed since it was written (what "
+        "changed is printed; the run then differs from an uninterrupted one)",
+    )
     args = parser.parse_args(argv)
     if args.accept_changed_data and not args.resume:
         parser.error("--accept-changed-data goes with --resume (it lets a resume continue on a changed file)")
 
     from harts.runtime.verify import VerificationError
-    from harts.trainer.config import load_config
+    from harts.trainer.config_files import load_config
     from harts.trainer.loop import TrainingDiverged, train
     from harts.trainer.processes import RankFailure, reports, stop_together
     from harts.trainer.run import Terminated

@@ -66,15 +66,33 @@ from harts.trainer.toml_sections import (
     describe,
     enum_fields,
     keys_of,
-    read_toml_config,
 )
 
 __all__ = [
-    "TrainConfig", "ModelConfig", "DataConfig", "ObjectiveConfig", "RunSection", "OptimizerConfig",
-    "ScheduleConfig", "CheckpointConfig", "LoggingConfig", "MoESection", "ReferenceSection", "PPOSection",
-    "LoRASection", "EvalSection", "SamplesSection", "CriticSection", "BACKENDS", "TRAIN_ESTIMATORS",
-    "CRITIC_ESTIMATORS", "load_config", "parse_config", "DTYPES", "INITIAL", "FROM_POLICY",
-]  # fmt: skip
+    "TrainConfig",
+    "ModelConfig",
+    "DataConfig",
+    "ObjectiveConfig",
+    "RunSection",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "MoESection",
+    "ReferenceSection",
+    "PPOSection",
+    "LoRASection",
+    "EvalSection",
+    "SamplesSection",
+    "CriticSection",
+    "BACKENDS",
+    "TRAIN_ESTIMATORS",
+    "CRITIC_ESTIMATORS",
+    "parse_config",
+    "DTYPES",
+    "INITIAL",
+    "FROM_POLICY",
+]
 
 
 @dataclass(frozen=True)
@@ -163,8 +181,10 @@ class ObjectiveConfig(_LossKeys):
             settable = [p for p in entry.params if p not in _TENSOR_PARAMS]
             for name, value in self.advantage_params.items():
                 if name in _TENSOR_PARAMS:
-                    raise ValueError(f"objective.advantage_params.{name}: a per-token tensor, not set from a "
-                                     f"config: {_TENSOR_PARAMS[name]}")  # fmt: skip
+                    raise ValueError(
+                        f"objective.advantage_params.{name}: a per-token tensor, not set from a "
+                        f"config: {_TENSOR_PARAMS[name]}"
+                    )
                 if name not in entry.params:
                     raise ValueError(
                         f"objective.advantage_params: {self.advantage} takes no parameter {name!r}; "
@@ -174,8 +194,10 @@ class ObjectiveConfig(_LossKeys):
         if self.max_length is not None and not self.max_length > 0:
             raise ValueError(f"objective.max_length: expected a positive number, got {self.max_length}")
         if loss.needs_max_length and self.max_length is None:
-            raise ValueError(f"objective.max_length: {self.aggregation} needs Dr. GRPO's constant "
-                             f"(e.g. the generation budget in tokens)")  # fmt: skip
+            raise ValueError(
+                f"objective.max_length: {self.aggregation} needs Dr. GRPO's constant "
+                f"(e.g. the generation budget in tokens)"
+            )
 
     def loss_config(self) -> PolicyLossConfig:
         names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
@@ -298,8 +320,9 @@ class LoggingConfig:
         for name in self.backends:
             one_of("logging.backends", name, BACKENDS)
         if "jsonl" not in self.backends:
-            raise ValueError("logging.backends: metrics.jsonl is what --resume and the plot read; keep "
-                             "\"jsonl\" in the list")  # fmt: skip
+            raise ValueError(
+                'logging.backends: metrics.jsonl is what --resume and the plot read; keep "jsonl" in the list'
+            )
 
     @property
     def writers(self) -> list[str]:
@@ -341,44 +364,55 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
-            raise ValueError("steps and epochs: give one (steps counts optimizer steps, epochs passes over "
-                             "the file)")  # fmt: skip
+            raise ValueError(
+                "steps and epochs: give one (steps counts optimizer steps, epochs passes over the file)"
+            )
         positive_int("steps", self.steps)
         positive_int("epochs", self.epochs)
         positive_int("threads", self.threads)
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm: expected >= 0, got {self.max_grad_norm}")
         if self.reference is not None and not self.objective.kl_coef > 0:
-            raise ValueError("reference: objective.kl_coef is 0, so nothing would read the reference's "
-                             "log-probs: set objective.kl_coef or remove [reference]")  # fmt: skip
+            raise ValueError(
+                "reference: objective.kl_coef is 0, so nothing would read the reference's "
+                "log-probs: set objective.kl_coef or remove [reference]"
+            )
         correction = self.objective.correction
         if correction is not None and (self.ppo is None or self.ppo.old_logprobs != "policy"):
             got = "no [ppo] section" if self.ppo is None else f"ppo.old_logprobs = {self.ppo.old_logprobs!r}"
-            raise ValueError(f"objective.correction = {correction!r} weighs the old policy's log-probs "
-                             f"against the sampler's, and a rollout file carries only the sampler's: set "
-                             f"[ppo] old_logprobs = \"policy\" (got {got})")  # fmt: skip
+            raise ValueError(
+                f"objective.correction = {correction!r} weighs the old policy's log-probs "
+                f"against the sampler's, and a rollout file carries only the sampler's: set "
+                f'[ppo] old_logprobs = "policy" (got {got})'
+            )
         self._check_critic()
 
     def _check_critic(self) -> None:
         """A critic estimator with a ``[critic]`` and a ``[critic]`` with one: each alone is refused."""
         advantage = self.objective.advantage
         if advantage in CRITIC_ESTIMATORS and self.critic is None:
-            raise ValueError(f"objective.advantage: {advantage} needs a critic's values at every token: add "
-                             f"a [critic] section (a value model trained beside the policy; "
-                             f"docs/training.md)")  # fmt: skip
+            raise ValueError(
+                f"objective.advantage: {advantage} needs a critic's values at every token: add "
+                f"a [critic] section (a value model trained beside the policy; "
+                f"docs/training.md)"
+            )
         if self.critic is None:
             return
         if advantage not in CRITIC_ESTIMATORS:
             what = "is not set" if advantage is None else f"is {advantage!r}, which reads no critic"
             only = ", ".join(CRITIC_ESTIMATORS)
-            raise ValueError(f"critic: objective.advantage {what}; only {only} reads the critic's values, so "
-                             f"its training would change nothing: set objective.advantage = "
-                             f"\"{CRITIC_ESTIMATORS[0]}\" or remove [critic]")  # fmt: skip
+            raise ValueError(
+                f"critic: objective.advantage {what}; only {only} reads the critic's values, so "
+                f"its training would change nothing: set objective.advantage = "
+                f'"{CRITIC_ESTIMATORS[0]}" or remove [critic]'
+            )
         if not self.objective.loss_config().policy_loss.needs_advantages:
             kinds = ", ".join(k for k, entry in POLICY_LOSSES.items() if entry.needs_advantages)
-            raise ValueError(f"critic: objective.kind = {self.objective.kind!r} reads no advantages, so "
-                             f"nothing would read the critic: use a kind that does ({kinds}) or remove "
-                             f"[critic]")  # fmt: skip
+            raise ValueError(
+                f"critic: objective.kind = {self.objective.kind!r} reads no advantages, so "
+                f"nothing would read the critic: use a kind that does ({kinds}) or remove "
+                f"[critic]"
+            )
 
     @property
     def updates_per_step(self) -> int:
@@ -387,12 +421,23 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "objective": ObjectiveConfig, "run": RunSection,
-    "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig, "moe": MoESection, "distributed": DistributedSection,
-    "reference": ReferenceSection, "ppo": PPOSection, "lora": LoRASection, "eval": EvalSection,
-    "samples": SamplesSection, "critic": CriticSection,
-}  # fmt: skip
+    "model": ModelConfig,
+    "data": DataConfig,
+    "objective": ObjectiveConfig,
+    "run": RunSection,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "moe": MoESection,
+    "distributed": DistributedSection,
+    "reference": ReferenceSection,
+    "ppo": PPOSection,
+    "lora": LoRASection,
+    "eval": EvalSection,
+    "samples": SamplesSection,
+    "critic": CriticSection,
+}
 
 
 def parse_config(table: dict, base: Path, source: Path | None = None, text: str = "") -> TrainConfig:
@@ -422,46 +467,3 @@ class _TopLevel:
     max_grad_norm: float | None = 1.0
     threads: int | None = None
     out: Path | None = None
-
-
-def check_paths(config: TrainConfig) -> None:
-    """The files the config names exist (checked apart from parsing, so configs can be built in memory)."""
-    if not config.data.path.is_file():
-        raise FileNotFoundError(f"data.path: {config.data.path}: no such rollout file")
-    if config.data.tokenizer is not None and not config.data.tokenizer.is_dir():
-        raise FileNotFoundError(f"data.tokenizer: {config.data.tokenizer}: no such directory")
-    path = config.model.path
-    if path is not None and not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.path: {path}: not a local Hugging Face model directory (no config.json); "
-            f"harts train reads local directories only"
-        )
-    for key, file in (("eval.file", config.eval and config.eval.file),
-                      ("samples.prompts", config.samples and config.samples.prompts)):  # fmt: skip
-        if file and not file.is_file():
-            raise FileNotFoundError(f"{key}: {file}: no such file")
-    if config.samples is not None and config.samples.tokenizer and not config.samples.tokenizer.is_dir():
-        raise FileNotFoundError(f"samples.tokenizer: {config.samples.tokenizer}: no such directory")
-    ref = config.reference
-    if ref is not None and not ref.initial and not (Path(ref.model) / "config.json").is_file():
-        raise FileNotFoundError(
-            f"reference.model: {ref.model}: not a local Hugging Face model directory (no config.json); "
-            f'give one, or "{INITIAL}" for the run\'s starting weights'
-        )
-    critic = config.critic
-    if critic is not None and not critic.from_policy and not (Path(critic.model) / "config.json").is_file():
-        raise FileNotFoundError(
-            f"critic.model: {critic.model}: not a local Hugging Face model directory (no config.json); "
-            f'give one, or "{FROM_POLICY}" for the policy\'s starting weights under a fresh value head'
-        )
-
-
-def load_config(path: str | Path) -> TrainConfig:
-    """Read and check a ``harts train`` TOML file; every error names the file and the key."""
-
-    def parse(table, base, **where) -> TrainConfig:
-        config = parse_config(table, base, **where)
-        check_paths(config)
-        return config
-
-    return read_toml_config(path, parse)

@@ -67,8 +67,15 @@ from harts.trainer.rank_passes import over_ranks, rank_share
 from harts.trainer.run import TrainingDiverged, clip_gradients, collective
 from harts.trainer.sections import CriticSection
 
-__all__ = ["Critic", "load_critic", "save_critic", "fresh_head", "with_gae", "CRITIC_DIR",
-           "VALUE_HEAD_ARCHITECTURE"]  # fmt: skip
+__all__ = [
+    "Critic",
+    "load_critic",
+    "save_critic",
+    "fresh_head",
+    "with_gae",
+    "CRITIC_DIR",
+    "VALUE_HEAD_ARCHITECTURE",
+]
 
 #: a checkpoint's critic directory
 CRITIC_DIR = "critic"
@@ -152,20 +159,25 @@ def _from_directory(path: Path, dtype: torch.dtype, seed: int) -> nn.Module:
         return critic
     if architecture.endswith("ForTokenClassification"):
         if config.num_labels != 1:
-            raise ValueError(f"critic.model: {path}: {architecture} with num_labels = {config.num_labels}; a "
-                             f"critic reads one value per position (num_labels = 1)")  # fmt: skip
+            raise ValueError(
+                f"critic.model: {path}: {architecture} with num_labels = {config.num_labels}; a "
+                f"critic reads one value per position (num_labels = 1)"
+            )
         return AutoModelForTokenClassification.from_pretrained(
             path, config=_as_critic_config(config), dtype=dtype, **loading_options(dtype)
         )
     if architecture.endswith("ForCausalLM"):
         return _from_causal_lm(path, config, dtype, seed)
-    raise ValueError(f"critic.model: {path}: its architecture is {architecture}; expected a "
-                     f"*ForTokenClassification with num_labels = 1, a causal LM (*ForCausalLM: its backbone "
-                     f"gets a fresh value head) or the critic/ of a harts train checkpoint")  # fmt: skip
+    raise ValueError(
+        f"critic.model: {path}: its architecture is {architecture}; expected a "
+        f"*ForTokenClassification with num_labels = 1, a causal LM (*ForCausalLM: its backbone "
+        f"gets a fresh value head) or the critic/ of a harts train checkpoint"
+    )
 
 
-def load_critic(section: CriticSection, policy: ModelConfig, seed: int, checkpoint: Path | None = None
-                ) -> nn.Module:  # fmt: skip
+def load_critic(
+    section: CriticSection, policy: ModelConfig, seed: int, checkpoint: Path | None = None
+) -> nn.Module:
     """The critic ``section`` names (``checkpoint``: a checkpoint's ``critic/`` instead), in
     ``section.dtype`` on ``section.device`` (default: the policy's), in train mode, its tensors in
     memory of their own (a resume computes the bits of the run that saved it)."""
@@ -207,8 +219,9 @@ def save_critic(critic: nn.Module, directory: Path, whole: dict | None = None) -
         critic.save_pretrained(directory, safe_serialization=True, state_dict=whole)
 
 
-def with_gae(policy: nn.Module, rollouts: list[Rollout], values: list[torch.Tensor],
-             objective: ObjectiveConfig) -> list[Rollout]:  # fmt: skip
+def with_gae(
+    policy: nn.Module, rollouts: list[Rollout], values: list[torch.Tensor], objective: ObjectiveConfig
+) -> list[Rollout]:
     """Copies of ``rollouts`` with the rollout-time ``values`` and GAE's advantages and returns over
     all of them (``objective.advantage_params``: ``gamma``, ``lam``, ``whiten``)."""
     if len(values) != len(rollouts):
@@ -216,8 +229,10 @@ def with_gae(policy: nn.Module, rollouts: list[Rollout], values: list[torch.Tens
     rollouts = [dataclasses.replace(r, values=v) for r, v in zip(rollouts, values, strict=True)]
     _, rows = step_inputs(policy, rollouts)
     if rows.has_advantage:
-        raise ValueError(f"objective.advantage = {objective.advantage!r}, but the rollouts carry advantages "
-                         f"already: remove one of them")  # fmt: skip
+        raise ValueError(
+            f"objective.advantage = {objective.advantage!r}, but the rollouts carry advantages "
+            f"already: remove one of them"
+        )
     advantages, returns = gae_advantages(rows, **objective.advantage_params)
     return advantages_to_rollouts(rollouts, rows, advantages, returns)
 
@@ -226,16 +241,22 @@ class Critic:
     """The run's critic: its model, optimizer and schedule (over the run's ``total`` updates),
     value loss and micro-batches; its values of a step and its update on an update's rollouts."""
 
-    def __init__(self, config: TrainConfig, total: int, checkpoint: Path | None = None,
-                 ranks: Ranks | None = None):  # fmt: skip
+    def __init__(
+        self, config: TrainConfig, total: int, checkpoint: Path | None = None, ranks: Ranks | None = None
+    ):
         section = self.section = config.critic
         self.ranks = ranks
         self.model = load_critic(section, config.model, config.seed, checkpoint)
         # DDP wraps it; FSDP2 shards it in place (the optimizer then steps the shards)
         self.wrapped = wrap_model(self.model, ranks) if ranks is not None else self.model
-        optimizer = OptimizerConfig(kind="adamw", lr=section.lr, weight_decay=section.weight_decay,
-                                    betas=section.betas, eps=section.eps,
-                                    master_weights=config.optimizer.master_weights)  # fmt: skip
+        optimizer = OptimizerConfig(
+            kind="adamw",
+            lr=section.lr,
+            weight_decay=section.weight_decay,
+            betas=section.betas,
+            eps=section.eps,
+            master_weights=config.optimizer.master_weights,
+        )
         self.optim, self.split = build_optimizers(self.model, optimizer, config.schedule, total)
         self.param_names = [n for n, _ in self.split.decay + self.split.no_decay]
         self.loss = ValueLossConfig(clip=section.value_clip or None, aggregation=section.aggregation)
@@ -248,11 +269,13 @@ class Critic:
         params = sum(p.numel() for p in self.model.parameters())
         dtype = next(self.model.parameters()).dtype
         clip = "unclipped" if self.loss.clip is None else f"clip {self.loss.clip:g}"
-        return (f"critic {type(self.model).__name__} ({source}; {params / 1e6:.2f}M parameters, "
-                f"{str(dtype).removeprefix('torch.')}, {next(self.model.parameters()).device}); "
-                f"{self.split.describe()}, lr {self.section.lr:g}; value loss {clip}, "
-                f"{self.loss.aggregation.value}; its values computed before each step's updates, its "
-                f"update after each policy update")  # fmt: skip
+        return (
+            f"critic {type(self.model).__name__} ({source}; {params / 1e6:.2f}M parameters, "
+            f"{str(dtype).removeprefix('torch.')}, {next(self.model.parameters()).device}); "
+            f"{self.split.describe()}, lr {self.section.lr:g}; value loss {clip}, "
+            f"{self.loss.aggregation.value}; its values computed before each step's updates, its "
+            f"update after each policy update"
+        )
 
     def values(self, rollouts: list[Rollout], ranks: Ranks | None = None) -> list[torch.Tensor]:
         """The critic's value of every position of each rollout (``harts.forward_values``), on the
@@ -274,16 +297,24 @@ class Critic:
         grad_norm = collective(clip_gradients, self.optim.take_gradients(), self.max_grad_norm)
         loss = float(result.loss)
         if not (math.isfinite(grad_norm) and math.isfinite(loss)):
-            raise TrainingDiverged(f"step {step}: the critic's value loss {loss}, gradient norm "
-                                   f"{grad_norm}: not finite; stopped before its update (the last "
-                                   f"checkpoint is kept)")  # fmt: skip
+            raise TrainingDiverged(
+                f"step {step}: the critic's value loss {loss}, gradient norm "
+                f"{grad_norm}: not finite; stopped before its update (the last "
+                f"checkpoint is kept)"
+            )
         lr = self.optim.lrs()["lr"]
         self.optim.step()
         self.optim.zero_grad()
-        metrics = {name: float(result.metrics[name]) for name in
-                   ("value_loss", "value_clip_fraction", "value_mean", "explained_variance")}  # fmt: skip
-        return {**metrics, "critic_grad_norm": grad_norm, "critic_lr": lr,
-                "critic_seconds": time.perf_counter() - began}  # fmt: skip
+        metrics = {
+            name: float(result.metrics[name])
+            for name in ("value_loss", "value_clip_fraction", "value_mean", "explained_variance")
+        }
+        return {
+            **metrics,
+            "critic_grad_norm": grad_norm,
+            "critic_lr": lr,
+            "critic_seconds": time.perf_counter() - began,
+        }
 
     def save(self, directory: Path) -> None:
         """The critic into a checkpoint's ``directory/critic``: its optimizer state (and master
@@ -296,20 +327,26 @@ class Critic:
     def state_dict(self) -> dict:
         """What ``trainer_state.pt`` keeps of the critic: its schedule, whether it steps master
         weights, and the parameters it trains, by name (the optimizer state is in ``critic/state``)."""
-        return {"schedulers": self.optim.scheduler_state(), "params": self.param_names,
-                "master_weights": self.optim.masters is not None}  # fmt: skip
+        return {
+            "schedulers": self.optim.scheduler_state(),
+            "params": self.param_names,
+            "master_weights": self.optim.masters is not None,
+        }
 
     def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
         """Restore what :meth:`save` and :meth:`state_dict` wrote into ``checkpoint``, resharded to
         this run's ranks (a checkpoint that kept the optimizer in ``state["optimizers"]`` too)."""
         name = checkpoint.name
         if state is None:
-            raise ValueError(f"critic: {name} holds no critic state: resume with the config the run "
-                             f"started with")  # fmt: skip
+            raise ValueError(
+                f"critic: {name} holds no critic state: resume with the config the run started with"
+            )
         if state["params"] != self.param_names:
             differ = sorted(set(state["params"]) ^ set(self.param_names))[:3]
-            raise ValueError(f"critic: {name}'s critic optimizer trained other parameters (they differ "
-                             f"in {', '.join(differ) or 'order'})")  # fmt: skip
+            raise ValueError(
+                f"critic: {name}'s critic optimizer trained other parameters (they differ "
+                f"in {', '.join(differ) or 'order'})"
+            )
         try:
             if "optimizers" in state:
                 self.optim.load_state_dict(state["optimizers"])

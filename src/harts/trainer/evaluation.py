@@ -65,16 +65,18 @@ class Evaluation:
 
     def _logprobs(self, model: nn.Module, ranks: Ranks | None) -> torch.Tensor:
         def compute(share: list[Rollout]) -> list[torch.Tensor]:
-            out = forest_logprobs(model, share, run=self.run, temperature=self.temperature,
-                                  loss_positions_only=True)  # fmt: skip
+            out = forest_logprobs(
+                model, share, run=self.run, temperature=self.temperature, loss_positions_only=True
+            )
             return [lp.detach().cpu() for lp in out.logprobs]
 
         logprobs = over_ranks(ranks, model, self.run, self.rollouts, compute)
         scored = zip(logprobs, self.masks, strict=True)
         return torch.cat([lp.double()[m] for lp, m in scored])
 
-    def __call__(self, model: nn.Module, reference: nn.Module | None = None,
-                 ranks: Ranks | None = None) -> dict:  # fmt: skip
+    def __call__(
+        self, model: nn.Module, reference: nn.Module | None = None, ranks: Ranks | None = None
+    ) -> dict:
         """``eval/*`` metrics of ``model`` (and the KL to ``reference``) on the eval file; with
         ``ranks`` (every rank calls it), each rank scores its own trees of the file and the
         log-probs are exchanged once, so every rank reduces the whole file's, as one process does."""

@@ -27,9 +27,13 @@ IMAGE_MODEL_LOADER = "AutoModelForImageTextToText"
 
 # (the section's attribute of TrainConfig, its name in the config file)
 _UNCHECKED = (
-    ("reference", "[reference]"), ("critic", "[critic]"), ("lora", "[lora]"), ("ppo", "[ppo]"),
-    ("eval", "[eval]"), ("samples", "[samples]"),
-)  # fmt: skip
+    ("reference", "[reference]"),
+    ("critic", "[critic]"),
+    ("lora", "[lora]"),
+    ("ppo", "[ppo]"),
+    ("eval", "[eval]"),
+    ("samples", "[samples]"),
+)
 
 
 def check_image_run(config: TrainConfig, where: str, distributed: bool) -> None:

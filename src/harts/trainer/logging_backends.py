@@ -29,8 +29,10 @@ def _import(name: str):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
-        raise ValueError(f"logging.backends: {name!r} needs the {package} package, which is not installed: "
-                         f"pip install 'harts[logging]' (or pip install {package})") from None  # fmt: skip
+        raise ValueError(
+            f"logging.backends: {name!r} needs the {package} package, which is not installed: "
+            f"pip install 'harts[logging]' (or pip install {package})"
+        ) from None
 
 
 def check_backends(names: list[str]) -> None:

@@ -35,7 +35,7 @@ from typing import TextIO
 import torch
 
 from harts.adapters import adapter_for
-from harts.adapters.base import MoEBalancing, registered_adapter
+from harts.adapters.base import MoEBalancing
 from harts.forest import Forest
 from harts.objectives.moe import MoEConfig
 from harts.objectives.rollout import Rollout
@@ -44,16 +44,16 @@ from harts.runtime.routers import find_routers
 from harts.runtime.verify import Verification
 from harts.runtime.verify_sharded import low_precision_refusal
 from harts.steps.router_statistics import resolve_aux_coef
-from harts.trainer.checkpoint import Checkpoint, list_checkpoints
+from harts.trainer.announcements import Announcements
+from harts.trainer.checkpoint import Checkpoint
 from harts.trainer.config import ObjectiveConfig, TrainConfig
 from harts.trainer.critic import CRITIC_DIR, Critic
 from harts.trainer.evaluation import Evaluation
-from harts.trainer.images import IMAGE_MODEL_LOADER, check_image_run
+from harts.trainer.images import check_image_run
 from harts.trainer.inputs import (
     Position,
     check_data,
     check_embedding,
-    data_change,
     data_stream,
     fingerprint,
     load_model,
@@ -64,7 +64,7 @@ from harts.trainer.inputs import (
 )
 from harts.trainer.logging_backends import check_backends
 from harts.trainer.lora import attach_lora, save_adapter
-from harts.trainer.optim import ParameterSplit, freeze_routers
+from harts.trainer.optim import freeze_routers
 from harts.trainer.policy_step import train_step
 from harts.trainer.ppo import StepUpdates, load_reference, shard_reference, weights_sha256
 from harts.trainer.processes import (
@@ -75,7 +75,7 @@ from harts.trainer.processes import (
     wrap_model,
 )
 from harts.trainer.progress import MetricsLog
-from harts.trainer.resume_notes import resume_differences, run_versions
+from harts.trainer.resume_notes import run_versions
 from harts.trainer.rollout_stats import rollout_stats
 from harts.trainer.routes_check import check_routes_fit
 from harts.trainer.run import Run, TrainingDiverged, update_metrics
@@ -85,16 +85,30 @@ from harts.trainer.throughput import Throughput
 __all__ = ["train", "TrainingDiverged"]
 
 
-def _record(step: int, epoch: int, result: StepResult, forest: Forest, grad_norm: float, lrs: dict,
-            seconds: float, rollouts: list[Rollout], throughput: Throughput) -> dict:  # fmt: skip
+def _record(
+    step: int,
+    epoch: int,
+    result: StepResult,
+    forest: Forest,
+    grad_norm: float,
+    lrs: dict,
+    seconds: float,
+    rollouts: list[Rollout],
+    throughput: Throughput,
+) -> dict:
     record = {"step": step, "epoch": epoch, **update_metrics(result, grad_norm, lrs)}
-    record.update(rollouts=len(rollouts), micro_batches=result.num_micro_batches,
-                  recomputed_parts=len(result.recomputed_parts), seconds=seconds,
-                  **throughput.record(forest, rollouts, seconds), **rollout_stats(rollouts))  # fmt: skip
+    record.update(
+        rollouts=len(rollouts),
+        micro_batches=result.num_micro_batches,
+        recomputed_parts=len(result.recomputed_parts),
+        seconds=seconds,
+        **throughput.record(forest, rollouts, seconds),
+        **rollout_stats(rollouts),
+    )
     return record
 
 
-class _Train(Run):
+class _Train(Announcements, Run):
     """One ``train`` call on the run skeleton: the rollout file, the reference and old log-prob
     passes (``[reference]``, ``[ppo]``), the critic (``[critic]``), eval and samples, LoRA, MoE
     balancing, torchrun's ranks."""
@@ -138,15 +152,23 @@ class _Train(Run):
         the model's vocabulary and the objective's fields), the checkpoint resumed from, the logging
         backends' packages, the eval and sample files, what torchrun's ranks cannot run."""
         config = self.config
-        self.data_check = check_data(config.data, config.objective, model_vocab_size(config.model),
-                                     reference=config.reference is not None, ppo=config.ppo)  # fmt: skip
+        self.data_check = check_data(
+            config.data,
+            config.objective,
+            model_vocab_size(config.model),
+            reference=config.reference is not None,
+            ppo=config.ppo,
+        )
         if self.data_check.images is not None:  # the multimodal model, and only what runs exactly with images
             check_image_run(config, self.data_check.images[1], distributed=self.ranks is not None)
         self.steps_per_epoch = self.data_check.steps
         # optimizer updates: ppo.epochs x ppo.mini_batches per step of rollouts
         self.total = (config.steps or (config.epochs or 1) * self.steps_per_epoch) * config.updates_per_step
-        self.data_print = {**fingerprint(config.data.path), "rollouts": self.data_check.rollouts,
-                           "steps_per_epoch": self.steps_per_epoch}  # fmt: skip
+        self.data_print = {
+            **fingerprint(config.data.path),
+            "rollouts": self.data_check.rollouts,
+            "steps_per_epoch": self.steps_per_epoch,
+        }
         start, state = self.resume_point(resume)
         if state is not None:
             self._check_resume(start, state)
@@ -169,8 +191,9 @@ class _Train(Run):
         self.base_sha256 = None
         if config.lora is not None:
             recorded = (state or {}).get("lora", {}).get("base_sha256") if state is not None else None
-            self.model, self.base_sha256 = attach_lora(self.model, config.lora, recorded,
-                                                       start.path.name if start else "")  # fmt: skip
+            self.model, self.base_sha256 = attach_lora(
+                self.model, config.lora, recorded, start.path.name if start else ""
+            )
 
     def _make_reference(self, start: Checkpoint | None, state: dict | None) -> None:
         """The KL term's reference (``[reference]``): loaded, fingerprinted whole, then sharded as the
@@ -214,8 +237,10 @@ class _Train(Run):
             return
         saved = start.path / CRITIC_DIR if start is not None else None
         if saved is not None and not saved.is_dir():
-            raise ValueError(f"critic: {start.path.name} holds no critic (the run started without "
-                             f"[critic]): resume with the config the run started with")  # fmt: skip
+            raise ValueError(
+                f"critic: {start.path.name} holds no critic (the run started without "
+                f"[critic]): resume with the config the run started with"
+            )
         self.critic = Critic(config, self.total, saved, self.ranks)
 
     def _make_step_configs(self) -> None:
@@ -233,11 +258,15 @@ class _Train(Run):
             raise ValueError(f"moe: {exc}") from None
         if config.moe.bias_update_speed:
             if adapter_for(self.model).moe_balancing is not MoEBalancing.BIAS:
-                raise ValueError(f"moe.bias_update_speed: {self.model.config.model_type} balances its "
-                                 f"experts with an auxiliary loss, not a router bias")  # fmt: skip
+                raise ValueError(
+                    f"moe.bias_update_speed: {self.model.config.model_type} balances its "
+                    f"experts with an auxiliary loss, not a router bias"
+                )
             adapter = adapter_for(self.model)
-            self.router_biases = [adapter.balancing_bias(self.model, layer, router)
-                                  for layer, router in find_routers(self.model)]  # fmt: skip
+            self.router_biases = [
+                adapter.balancing_bias(self.model, layer, router)
+                for layer, router in find_routers(self.model)
+            ]
 
     def _restore(self, start: Checkpoint | None, state: dict | None) -> None:
         """The position, optimizers, random states and, between two updates of a step of rollouts, its
@@ -254,58 +283,17 @@ class _Train(Run):
             self.critic.load_state_dict(trainer.get("critic"), start.path)
             self.saved_values = trainer.get("critic_values") if self.position.within_step else None
         if self.data_changed and self.position.within_step:
-            self.say(f"{start.path.name} is between two updates of a step of rollouts: on the changed "
-                     f"file that step starts over from its first update")  # fmt: skip
+            self.say(
+                f"{start.path.name} is between two updates of a step of rollouts: on the changed "
+                f"file that step starts over from its first update"
+            )
             self.position.ppo_epoch = self.position.mini_batch = 0
             self.saved_old = self.saved_values = None
         if self.data_changed and self.position.fit(self.steps_per_epoch):
-            self.say(f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
-                     f"start of epoch {self.position.epoch}")  # fmt: skip
-
-    def _describe(self, start: Checkpoint | None, split: ParameterSplit, frozen: list[str]) -> None:
-        """The run's lines before its first update: ranks, model, data, reference, PPO, critic."""
-        config = self.config
-        if self.ranks is not None:
-            self.say(f"{self.ranks.world_size} ranks ({self.ranks.strategy}, trees balanced by "
-                     f"{self.ranks.balance}, {torch.distributed.get_backend()})")  # fmt: skip
-        self.describe_model(split, frozen)
-        steps = (f"{self.total // config.updates_per_step} steps, {self.total} optimizer updates"
-                 if config.ppo is not None else f"{self.total} steps")  # fmt: skip
-        self.say(f"data {config.data.path.name}: {self.data_check.rollouts} rollouts, {self.steps_per_epoch} "
-                 f"steps per epoch; {steps}; out {self.out}")  # fmt: skip
-        if config.reference is not None:
-            ref = config.reference
-            what = "the initial weights (a frozen copy)" if ref.initial else ref.model
-            self.say(f"reference {what}: {ref.dtype or config.model.dtype}, "
-                     f"{ref.device or config.model.device}, eval, no grad; its log-probs computed before "
-                     f"each step's updates")  # fmt: skip
-        if config.ppo is not None:
-            ppo = config.ppo
-            old = ("computed with the weights before each step" if ppo.old_logprobs == "policy"
-                   else "from the file")  # fmt: skip
-            self.say(f"ppo: {ppo.epochs} epoch{'s' if ppo.epochs > 1 else ''} x {ppo.mini_batches} "
-                     f"mini-batch{'es' if ppo.mini_batches > 1 else ''} of whole groups per step: "
-                     f"{ppo.updates} optimizer updates per step; old log-probs {old}")  # fmt: skip
-        if self.critic is not None:
-            source = ("the policy's starting weights, a fresh head" if config.critic.from_policy
-                      else config.critic.model)  # fmt: skip
-            self.say(self.critic.describe(f"from {start.path.name}" if start else source))
-        if (fields := self.data_check.extra_fields_line(config.data.path)) is not None:
-            self.say(f"warning: {fields}")
-
-    def _check_resume(self, start: Checkpoint, state: dict) -> None:
-        change = data_change(state["data"], self.data_print, start.path.name, self.config.data.path,
-                             self.accept_changed_data)  # fmt: skip
-        if change is not None:
-            self.data_changed = True
-            self.say(f"{change}; continuing from its position on the changed file (not the run an "
-                     f"uninterrupted one would give)")  # fmt: skip
-        if state["position"]["step"] > self.total:
-            raise ValueError(f"{start.path.name} is past the run's {self.total} steps: raise steps or epochs")
-        world = self.ranks.world_size if self.ranks is not None else 1
-        for line in resume_differences(start, state, self.config, world):
-            self.say(line)
-        self.say(f"resuming from {start.path} (step {state['position']['step']})")
+            self.say(
+                f"the changed file has {self.steps_per_epoch} steps per epoch: continuing at the "
+                f"start of epoch {self.position.epoch}"
+            )
 
     def prepare(self, rollouts: list[Rollout]) -> StepUpdates:
         """The step of rollouts at the run's position, ready for its updates (reference and old
@@ -313,23 +301,43 @@ class _Train(Run):
         saved, self.saved_old = self.saved_old, None
         values, self.saved_values = self.saved_values, None
         with self.numbered():
-            return StepUpdates(self.config, self.wrapped, self.reference, self.run_config, rollouts, saved,
-                               self.critic, values, self.ranks)  # fmt: skip
+            return StepUpdates(
+                self.config,
+                self.wrapped,
+                self.reference,
+                self.run_config,
+                rollouts,
+                saved,
+                self.critic,
+                values,
+                self.ranks,
+            )
 
-    def update(self, rollouts: list[Rollout], objective: ObjectiveConfig
-               ) -> tuple[StepResult, Forest, float, dict, Verification | None]:  # fmt: skip
+    def update(
+        self, rollouts: list[Rollout], objective: ObjectiveConfig
+    ) -> tuple[StepResult, Forest, float, dict, Verification | None]:
         verify = self.verifying and self.config.run.verifies(self.step + 1, not self.updated)
         with self.numbered():
-            result, forest, report = train_step(self.wrapped, rollouts, objective, self.loss_config,
-                                                self.run_config, self.moe, self.ranks, verify)  # fmt: skip
+            result, forest, report = train_step(
+                self.wrapped,
+                rollouts,
+                objective,
+                self.loss_config,
+                self.run_config,
+                self.moe,
+                self.ranks,
+                verify,
+            )
         self.updated = True
         if report is not None:
             whose = "this rank's trees" if self.ranks else "the step"
-            self.say(f"step {self.step + 1} verified against the stock forward ({report.precision}, "
-                     f"trajectories {list(report.trajectories)} of {whose}, "
-                     f"{report.tokens} tokens): worst log-prob {report.value_error:.2g} from the truth "
-                     f"(bound {report.value_bound:.2g}), gradients at {report.gradient_ratio:.2g} of their "
-                     f"bounds; {report.seconds:.2f} s")  # fmt: skip
+            self.say(
+                f"step {self.step + 1} verified against the stock forward ({report.precision}, "
+                f"trajectories {list(report.trajectories)} of {whose}, "
+                f"{report.tokens} tokens): worst log-prob {report.value_error:.2g} from the truth "
+                f"(bound {report.value_bound:.2g}), gradients at {report.gradient_ratio:.2g} of their "
+                f"bounds; {report.seconds:.2f} s"
+            )
         grad_norm, lrs = self.clip_and_step(result)
         return result, forest, grad_norm, lrs, report
 
@@ -344,8 +352,9 @@ class _Train(Run):
             if samples is not None:
                 samples.close()
 
-    def _updates_of(self, epoch: int, index: int, rollouts: list[Rollout], samples: MetricsLog | None
-                    ) -> Iterator[dict]:  # fmt: skip
+    def _updates_of(
+        self, epoch: int, index: int, rollouts: list[Rollout], samples: MetricsLog | None
+    ) -> Iterator[dict]:
         """The updates of one step of rollouts (``ppo.epochs`` x ``ppo.mini_batches`` with ``[ppo]``,
         else one), from the run's position in it, each with its eval and samples when due."""
         config, position = self.config, self.position
@@ -367,16 +376,34 @@ class _Train(Run):
                     critic = self.critic.update(update.rollouts, position.step + 1)
                 self.session += critic["critic_seconds"]
             self.session += seconds
-            position.advance(len(update.rollouts), forest.num_tokens, forest.num_flat_tokens, seconds,
-                             self.steps_per_epoch, config.ppo)  # fmt: skip
-            record = _record(position.step, epoch, result, forest, grad_norm, lrs, seconds, update.rollouts,
-                             self.throughput)  # fmt: skip
+            position.advance(
+                len(update.rollouts),
+                forest.num_tokens,
+                forest.num_flat_tokens,
+                seconds,
+                self.steps_per_epoch,
+                config.ppo,
+            )
+            record = _record(
+                position.step,
+                epoch,
+                result,
+                forest,
+                grad_norm,
+                lrs,
+                seconds,
+                update.rollouts,
+                self.throughput,
+            )
             if config.ppo is not None:
                 record.update(ppo_epoch=update.ppo_epoch, mini_batch=update.mini_batch)
             if verified is not None:
-                record.update(verify_seconds=verified.seconds, verify_logprob_error=verified.value_error,
-                              verify_logprob_bound=verified.value_bound,
-                              verify_gradient_ratio=verified.gradient_ratio)  # fmt: skip
+                record.update(
+                    verify_seconds=verified.seconds,
+                    verify_logprob_error=verified.value_error,
+                    verify_logprob_bound=verified.value_bound,
+                    verify_gradient_ratio=verified.gradient_ratio,
+                )
             if critic is not None:
                 record.update(critic)
             if config.ppo is not None or config.reference is not None or critic is not None:
@@ -420,8 +447,12 @@ class _Train(Run):
             self.write_model(directory, whole)
 
     def trainer_state(self) -> dict:
-        trainer = {"schedulers": self.optim.scheduler_state(), "rng": rng_state(), "params": self.param_names,
-                   "master_weights": self.optim.masters is not None}  # fmt: skip
+        trainer = {
+            "schedulers": self.optim.scheduler_state(),
+            "rng": rng_state(),
+            "params": self.param_names,
+            "master_weights": self.optim.masters is not None,
+        }
         if self.position.within_step and self.current is not None and self.current.old is not None:
             trainer["old_logprobs"] = self.current.old  # the weights that computed them are gone
         if self.critic is not None:
@@ -430,44 +461,14 @@ class _Train(Run):
                 trainer["critic_values"] = self.current.values  # as the old log-probs
         return trainer
 
-    def interrupted(self, terminated: bool = False) -> None:
-        """One line: where the run stopped and the checkpoint to resume from. Stopped by SIGTERM
-        under torchrun (another rank failed, or the job was stopped), every rank says it, naming
-        itself, since rank 0 may be the one that failed."""
-        done = list_checkpoints(self.root)  # published whole or not at all: the newest is complete
-        where = f"the last complete checkpoint is {done[-1].path}" if done else "no checkpoint was written"
-        how = "stopped by SIGTERM" if terminated else "interrupted"
-        line = f"{how} at step {self.position.step}; {where} (continue with --resume)"
-        if not (terminated and self.ranks is not None):
-            self.say(line)
-            return
-        rank = f"rank {self.ranks.rank} of {self.ranks.world_size}"
-        why = "under torchrun the ranks are stopped when one fails: its error, if any, is above"
-        print(f"{self.command}: {rank}: {line}; {why}", file=self.log, flush=True)
 
-    def finish(self, last: Path | None, first: int) -> dict:
-        config, position, session = self.config, self.position, self.session
-        redundancy = position.flat_tokens / max(position.unique_tokens, 1)
-        unit = "optimizer updates" if config.ppo is not None else "steps"
-        family = registered_adapter(self.model.config.model_type)
-        loader = (
-            IMAGE_MODEL_LOADER
-            if self.data_check.images is not None
-            else (family.auto_class if family is not None else "AutoModelForCausalLM")
-        )
-        loads = (f"{loader}.from_pretrained loads it" if config.lora is None else
-                 "the LoRA adapter: PeftModel.from_pretrained(base, dir) loads it")  # fmt: skip
-        if self.critic is not None:
-            loads += f"; its critic in {CRITIC_DIR}/"
-        self.say(f"done: {position.step} {unit}, {session:.1f} s; {position.unique_tokens:,} unique tokens "
-                 f"computed for {position.flat_tokens:,} flat ({redundancy:.2f}x); final model {last} "
-                 f"({loads})")  # fmt: skip
-        return {"steps": position.step, "checkpoint": str(last), "resumed_from": first, "seconds": session,
-                "unique_tokens": position.unique_tokens, "flat_tokens": position.flat_tokens}  # fmt: skip
-
-
-def train(config: TrainConfig, out: str | Path, resume: bool = False, log: TextIO | None = None,
-          accept_changed_data: bool = False) -> dict:  # fmt: skip
+def train(
+    config: TrainConfig,
+    out: str | Path,
+    resume: bool = False,
+    log: TextIO | None = None,
+    accept_changed_data: bool = False,
+) -> dict:
     """Run ``config`` into ``out`` (``resume``: from its newest checkpoint); returns a summary.
 
     Progress goes to ``log`` (default: stderr). ``accept_changed_data``: a resume on a rollout file

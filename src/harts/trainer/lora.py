@@ -40,8 +40,9 @@ def _peft():
     return peft
 
 
-def attach_lora(model: nn.Module, lora: LoRASection, recorded: str | None = None,
-                checkpoint: str = "") -> tuple[nn.Module, str]:  # fmt: skip
+def attach_lora(
+    model: nn.Module, lora: LoRASection, recorded: str | None = None, checkpoint: str = ""
+) -> tuple[nn.Module, str]:
     """``model`` (the base, frozen) wrapped with fresh LoRA adapters, and the base weights' sha256.
 
     ``recorded``: the base sha256 a checkpoint recorded (a resume); a different base is refused.
@@ -53,8 +54,9 @@ def attach_lora(model: nn.Module, lora: LoRASection, recorded: str | None = None
             f"lora: the base model's weights (sha256 {sha256}) are not those {checkpoint}'s adapter was "
             f"trained on (sha256 {recorded}): restore the [model] the run started with"
         )
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.targets,
-                             bias="none")  # fmt: skip
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.targets, bias="none"
+    )
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:  # no module matches target_modules, or one of an unsupported kind

@@ -41,9 +41,15 @@ from harts.runtime.routers import find_routers
 from harts.trainer.config import OptimizerConfig, ScheduleConfig
 
 __all__ = [
-    "ParameterSplit", "split_parameters", "freeze_routers", "Optimizers", "build_optimizers", "lr_factor",
-    "MasterWeights", "LOW_PRECISION",
-]  # fmt: skip
+    "ParameterSplit",
+    "split_parameters",
+    "freeze_routers",
+    "Optimizers",
+    "build_optimizers",
+    "lr_factor",
+    "MasterWeights",
+    "LOW_PRECISION",
+]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -61,8 +67,11 @@ class ParameterSplit:
             return f"{len(group)} tensors ({sum(p.numel() for _, p in group) / 1e6:.2f}M)"
 
         adamw = self.decay + self.no_decay
-        return (f"muon on {count(self.muon)}, adamw on {count(adamw)}" if self.muon
-                else f"adamw on {count(adamw)}")  # fmt: skip
+        return (
+            f"muon on {count(self.muon)}, adamw on {count(adamw)}"
+            if self.muon
+            else f"adamw on {count(adamw)}"
+        )
 
 
 def freeze_routers(model: nn.Module) -> list[str]:
@@ -162,9 +171,11 @@ class MasterWeights:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.by_name):
             differ = sorted(set(state) ^ set(self.by_name))[:3]
-            raise ValueError(f"the checkpoint's master weights do not fit this run's parameters (they "
-                             f"differ in {', '.join(differ)}); resume with the model the run started "
-                             f"with")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's master weights do not fit this run's parameters (they "
+                f"differ in {', '.join(differ)}); resume with the model the run started "
+                f"with"
+            )
         for name, master in self.by_name.items():
             master.copy_(state[name])
         self.refresh()
@@ -272,18 +283,22 @@ class Optimizers:
         the reverse: the optimizer state of one is not that of the other."""
         if saved != (self.masters is not None):
             had, has = ("fp32 master weights", "none") if saved else ("none", "fp32 master weights")
-            raise ValueError(f"the checkpoint's optimizers stepped {had}, this run's would step {has}: "
-                             f"resume with the model.dtype and optimizer.master_weights the run "
-                             f"started with")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's optimizers stepped {had}, this run's would step {has}: "
+                f"resume with the model.dtype and optimizer.master_weights the run "
+                f"started with"
+            )
 
     def scheduler_state(self) -> dict:
         return {name: s.state_dict() for name, s in self.schedulers.items()}
 
     def load_scheduler_state(self, state: dict) -> None:
         if set(state) != set(self.schedulers):
-            raise ValueError(f"the checkpoint's optimizers are {sorted(state)}, the config's "
-                             f"{sorted(self.schedulers)}: resume with the optimizer.kind the run "
-                             f"started with")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's optimizers are {sorted(state)}, the config's "
+                f"{sorted(self.schedulers)}: resume with the optimizer.kind the run "
+                f"started with"
+            )
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state[name])
 
@@ -325,8 +340,10 @@ def build_optimizers(
     if split.muon:
         muon = getattr(torch.optim, "Muon", None)
         if muon is None:
-            raise ImportError(f"optimizer.kind = 'muon' needs torch.optim.Muon (torch 2.9 or later); "
-                              f"installed: torch {torch.__version__}")  # fmt: skip
+            raise ImportError(
+                f"optimizer.kind = 'muon' needs torch.optim.Muon (torch 2.9 or later); "
+                f"installed: torch {torch.__version__}"
+            )
         params = stepped(split.muon)
         if any(type(p).__name__ == "DTensor" for p in params):  # FSDP2: whole-matrix updates of shards
             from harts.trainer.sharded_muon import ShardedMuon as muon

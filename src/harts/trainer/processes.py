@@ -45,8 +45,19 @@ from harts.objectives.rollout import Rollout
 from harts.objectives.rows import LossRows
 from harts.plan.ranks import RankCost, TreeAssignment, assign_trees
 
-__all__ = ["Ranks", "start_ranks", "wrap_model", "fsdp_shard", "rank_cost", "local_rollouts", "save_state",
-           "load_state", "RankFailure", "stop_together", "reports"]  # fmt: skip
+__all__ = [
+    "Ranks",
+    "start_ranks",
+    "wrap_model",
+    "fsdp_shard",
+    "rank_cost",
+    "local_rollouts",
+    "save_state",
+    "load_state",
+    "RankFailure",
+    "stop_together",
+    "reports",
+]
 
 STATE_DIR = "state"
 # how long a rank that stops on an error every rank meets waits for the others to meet it too: they
@@ -164,8 +175,12 @@ def rank_cost(model: nn.Module) -> RankCost:
     token (forward and backward of the dense work), 12 x heads x head size x full-attention layers
     per attended key (QK^T and AV, forward and backward)."""
     config = model.config
-    embed = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-             for p in m.parameters()}  # fmt: skip
+    embed = {
+        id(p)
+        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        if m is not None
+        for p in m.parameters()
+    }
     dense = sum(p.numel() for p in model.parameters() if id(p) not in embed)
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     full = sum(t in ("full_attention", "attention") for t in types[: config.num_hidden_layers])
@@ -243,11 +258,20 @@ def load_state(directory: Path, model: nn.Module, optim) -> None:
     state = _state(model, optim, with_model=optim.masters is None)
     dcp.load(state, checkpoint_id=directory / STATE_DIR)
     if optim.masters is None:
-        set_state_dict(model, _optimizers(optim), model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=_options(model))  # fmt: skip
+        set_state_dict(
+            model,
+            _optimizers(optim),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_options(model),
+        )
         return
-    set_state_dict(optim.masters.module, _optimizers(optim), model_state_dict=state["masters"],
-                   optim_state_dict=state["optim"])  # fmt: skip
+    set_state_dict(
+        optim.masters.module,
+        _optimizers(optim),
+        model_state_dict=state["masters"],
+        optim_state_dict=state["optim"],
+    )
     optim.masters.refresh()
 
 

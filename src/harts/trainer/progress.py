@@ -55,8 +55,11 @@ class MetricsLog:
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else (
-        f"{seconds // 60}:{seconds % 60:02d}")  # fmt: skip
+    return (
+        f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else (f"{seconds // 60}:{seconds % 60:02d}")
+    )
 
 
 def progress_line(record: dict, total: int, eta_seconds: float) -> str:
@@ -72,8 +75,11 @@ def progress_line(record: dict, total: int, eta_seconds: float) -> str:
         f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.2e}",
         f"gnorm {record['grad_norm']:.3g}",
-        *([f"vloss {record['value_loss']:.4f}", f"ev {record['explained_variance']:.3f}"]
-          if "value_loss" in record else []),  # fmt: skip
+        *(
+            [f"vloss {record['value_loss']:.4f}", f"ev {record['explained_variance']:.3f}"]
+            if "value_loss" in record
+            else []
+        ),
         *([f"reward {record['reward_mean']:.3g}"] if "reward_mean" in record else []),
         *([f"resp {record['response_tokens_mean']:,.0f} tok"] if "response_tokens_mean" in record else []),
         *([f"mismatch kl {record['mismatch_kl']:.2e}"] if "mismatch_kl" in record else []),
@@ -92,10 +98,23 @@ def _flops(record: dict) -> str:
     return text + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else "")
 
 
-PLOTTED = ("loss", "policy_loss", "grad_norm", "lr", "entropy", "clip_fraction", "kl", "value_loss",
-           "explained_variance", "reward_mean", "response_tokens_mean", "mismatch_kl", "mismatch_prob_corr",
-           "redundancy",
-           "unique_tokens_per_s")  # fmt: skip
+PLOTTED = (
+    "loss",
+    "policy_loss",
+    "grad_norm",
+    "lr",
+    "entropy",
+    "clip_fraction",
+    "kl",
+    "value_loss",
+    "explained_variance",
+    "reward_mean",
+    "response_tokens_mean",
+    "mismatch_kl",
+    "mismatch_prob_corr",
+    "redundancy",
+    "unique_tokens_per_s",
+)
 
 
 def write_plot(metrics: Path, out: Path, keys: tuple[str, ...] = PLOTTED, markers: bool = True) -> str:

@@ -49,8 +49,9 @@ def rank_share(rollouts: Sequence[Rollout], ranks: Ranks) -> list[int]:
     return list(assignment.trajectories[ranks.rank])
 
 
-def gather_by_rollout(ranks: Ranks, mine: list[int], values: list[Tensor], count: int,
-                      error: str | None = None) -> list[Tensor]:  # fmt: skip
+def gather_by_rollout(
+    ranks: Ranks, mine: list[int], values: list[Tensor], count: int, error: str | None = None
+) -> list[Tensor]:
     """Every rank's ``values`` (one tensor per rollout of ``mine``), on the CPU, in rollout order:
     one exchange over the ranks. ``error``: this rank's pass failed with it; every rank then raises
     ValueError with the first error any rank reports."""
@@ -69,8 +70,13 @@ def gather_by_rollout(ranks: Ranks, mine: list[int], values: list[Tensor], count
     return out  # type: ignore[return-value]
 
 
-def over_ranks(ranks: Ranks | None, model: nn.Module, run: RunConfig, rollouts: Sequence[Rollout],
-               compute: Callable[[list[Rollout]], list[Tensor]]) -> list[Tensor]:  # fmt: skip
+def over_ranks(
+    ranks: Ranks | None,
+    model: nn.Module,
+    run: RunConfig,
+    rollouts: Sequence[Rollout],
+    compute: Callable[[list[Rollout]], list[Tensor]],
+) -> list[Tensor]:
     """``compute(rollouts)`` (a forward-only pass of ``model``, one tensor per rollout), each rank
     on its share (:func:`rank_share`), gathered: every rank returns the values of all rollouts.
 

@@ -48,18 +48,24 @@ def resume_differences(start: Checkpoint, state: dict, config: TrainConfig, worl
     its rank count, thread count, library versions, config keys (``out`` aside)."""
     name, lines = start.path.name, []
     if state.get("world_size", 1) != world:
-        lines.append(f"{name} was written by {state.get('world_size', 1)} rank(s), this run has {world}: the "
-                     f"state is resharded; the result matches an uninterrupted run to floating-point "
-                     f"rounding, not bit for bit")  # fmt: skip
+        lines.append(
+            f"{name} was written by {state.get('world_size', 1)} rank(s), this run has {world}: the "
+            f"state is resharded; the result matches an uninterrupted run to floating-point "
+            f"rounding, not bit for bit"
+        )
     threads = config.threads or torch.get_num_threads()
     if state.get("threads") != threads:
-        lines.append(f"warning: {name} ran with {state.get('threads')} threads, this run with {threads}: the "
-                     f"result will not be bit-identical to an uninterrupted run")  # fmt: skip
+        lines.append(
+            f"warning: {name} ran with {state.get('threads')} threads, this run with {threads}: the "
+            f"result will not be bit-identical to an uninterrupted run"
+        )
     versions = {k: v for k, v in run_versions().items() if state.get("versions", {}).get(k) != v}
     if versions:
         now = ", ".join(f"{k} {v}" for k, v in versions.items())
-        lines.append(f"warning: {name} was written with other versions than this run's ({now}): the result "
-                     f"may not be bit-identical to an uninterrupted run")  # fmt: skip
+        lines.append(
+            f"warning: {name} was written with other versions than this run's ({now}): the result "
+            f"may not be bit-identical to an uninterrupted run"
+        )
     try:
         before = _flatten(tomllib.loads((start.path / CONFIG).read_text(encoding="utf-8")))
     except (OSError, tomllib.TOMLDecodeError):
@@ -67,6 +73,8 @@ def resume_differences(start: Checkpoint, state: dict, config: TrainConfig, worl
     now = _flatten(config.table)
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "out")
     if changed:
-        lines.append(f"warning: the config differs from {name}'s in {', '.join(changed)}: the resumed run "
-                     f"follows the new one")  # fmt: skip
+        lines.append(
+            f"warning: the config differs from {name}'s in {', '.join(changed)}: the resumed run "
+            f"follows the new one"
+        )
     return lines

@@ -50,8 +50,12 @@ def reward_stats(rollouts: Sequence) -> dict:
     rewards = np.array([float(r.reward) for r in rollouts if r.reward is not None], dtype=np.float64)
     if rewards.size == 0:
         return {}
-    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "reward_min": float(rewards.min()), "reward_max": float(rewards.max())}  # fmt: skip
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "reward_min": float(rewards.min()),
+        "reward_max": float(rewards.max()),
+    }
 
 
 def groups_same_reward(rollouts: Sequence) -> float | None:

@@ -107,8 +107,10 @@ def clip_gradients(params, clip: float) -> float:
 def _check_param_names(saved: dict, now: dict) -> None:
     """Refuse a checkpoint whose optimizers trained other parameters than this run's would."""
     if set(saved) != set(now):
-        raise ValueError(f"the checkpoint's optimizers are {sorted(saved)}, the config's {sorted(now)}: "
-                         f"resume with the optimizer.kind the run started with")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint's optimizers are {sorted(saved)}, the config's {sorted(now)}: "
+            f"resume with the optimizer.kind the run started with"
+        )
     for name, names in now.items():
         if list(saved[name]) != names:
             differ = sorted(set(saved[name]) ^ set(names))[:3]
@@ -227,8 +229,10 @@ class Run:
                 self.say(f"no checkpoint in {self.root}: starting from step 0")
         elif list_checkpoints(self.root):
             newest = list_checkpoints(self.root)[-1].path.name
-            raise ValueError(f"{self.out} already holds checkpoints ({newest}): pass --resume to continue "
-                             f"from the newest, or choose another --out")  # fmt: skip
+            raise ValueError(
+                f"{self.out} already holds checkpoints ({newest}): pass --resume to continue "
+                f"from the newest, or choose another --out"
+            )
         state = json.loads((start.path / STATE).read_text()) if start else None
         return start, state
 
@@ -261,9 +265,11 @@ class Run:
         name = f"tiny {model.tiny}" if model.tiny else str(model.path)
         params = sum(p.numel() for p in self.model.parameters())
         threads = torch.get_num_threads()
-        self.say(f"model {name} ({params / 1e6:.2f}M parameters, {model.dtype}, {model.device}, {threads} "
-                 f"thread{'s' if threads > 1 else ''}); {split.describe()}"
-                 f"{f', {len(frozen)} router tensors frozen' if frozen else ''}")  # fmt: skip
+        self.say(
+            f"model {name} ({params / 1e6:.2f}M parameters, {model.dtype}, {model.device}, {threads} "
+            f"thread{'s' if threads > 1 else ''}); {split.describe()}"
+            f"{f', {len(frozen)} router tensors frozen' if frozen else ''}"
+        )
         backend, why = resolve_backend(self.config.run.backend, model_device(self.model))
         self.say(f"kernels: {backend} backend ({why})")
 

@@ -74,16 +74,22 @@ class Samples:
         device = next(model.parameters()).device
         out = []
         try:
-            with (torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]),
-                  _gathered(model, device) if sharded else contextlib.nullcontext()):  # fmt: skip
+            with (
+                torch.no_grad(),
+                torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]),
+                _gathered(model, device) if sharded else contextlib.nullcontext(),
+            ):
                 torch.manual_seed(self.seed * 1_000_003 + step)
                 for line, prompt in self.prompts:
                     ids = torch.tensor([prompt], device=device)
                     generated = model.generate(
-                        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=not self.section.greedy,
-                        max_new_tokens=self.section.max_new_tokens, pad_token_id=0,
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=not self.section.greedy,
+                        max_new_tokens=self.section.max_new_tokens,
+                        pad_token_id=0,
                         **({"synced_gpus": True} if sharded else {}),
-                    )  # fmt: skip
+                    )
                     tokens = generated[0, len(prompt) :].tolist()
                     record = {"step": step, "prompt": line, "prompt_tokens": prompt, "tokens": tokens}
                     if self.tokenizer is not None:
@@ -132,21 +138,27 @@ def _read_prompts(path: Path, tokenizer, vocab_size: int | None):
             raise ValueError(f"{where}: expected one field, 'tokens' (a list of ids) or 'text'")
         if "text" in record:
             if tokenizer is None:
-                raise ValueError(f"{where}, field 'text': a text prompt needs a tokenizer: set "
-                                 f"samples.tokenizer (or data.tokenizer), or give 'tokens'")  # fmt: skip
+                raise ValueError(
+                    f"{where}, field 'text': a text prompt needs a tokenizer: set "
+                    f"samples.tokenizer (or data.tokenizer), or give 'tokens'"
+                )
             if not isinstance(record["text"], str) or not record["text"]:
                 raise ValueError(f"{where}, field 'text': expected a non-empty string")
             tokens = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
         else:
             tokens = record["tokens"]
-            if not isinstance(tokens, list) or not tokens or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+            if (
+                not isinstance(tokens, list)
+                or not tokens
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
             ):
-                raise ValueError(f"{where}, field 'tokens': expected a non-empty list of token ids "
-                                 f"(integers >= 0)")  # fmt: skip
+                raise ValueError(
+                    f"{where}, field 'tokens': expected a non-empty list of token ids (integers >= 0)"
+                )
         limit = vocab_size if tokenizer is None else min(vocab_size or len(tokenizer), len(tokenizer))
         for position, token in enumerate(tokens):
             if limit is not None and token >= limit:
-                raise ValueError(f"{where}, position {position}: token id {token} is outside the vocabulary "
-                                 f"(size {limit})")  # fmt: skip
+                raise ValueError(
+                    f"{where}, position {position}: token id {token} is outside the vocabulary (size {limit})"
+                )
         yield number, tokens

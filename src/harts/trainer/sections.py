@@ -16,9 +16,23 @@ from typing import Any
 from harts.objectives.losses import Aggregation
 from harts.trainer.toml_sections import path_or
 
-__all__ = ["MoESection", "DistributedSection", "ReferenceSection", "PPOSection", "LoRASection", "EvalSection",
-           "SamplesSection", "CriticSection", "one_of", "positive_int", "ALL_LINEAR", "DTYPES", "INITIAL",
-           "FROM_POLICY", "CRITIC_AGGREGATIONS"]  # fmt: skip
+__all__ = [
+    "MoESection",
+    "DistributedSection",
+    "ReferenceSection",
+    "PPOSection",
+    "LoRASection",
+    "EvalSection",
+    "SamplesSection",
+    "CriticSection",
+    "one_of",
+    "positive_int",
+    "ALL_LINEAR",
+    "DTYPES",
+    "INITIAL",
+    "FROM_POLICY",
+    "CRITIC_AGGREGATIONS",
+]
 
 #: ``lora.target_modules`` for every linear layer but the output head (peft's own shorthand)
 ALL_LINEAR = "all-linear"
@@ -40,8 +54,9 @@ def one_of(key: str, value: Any, valid) -> None:
 
 def positive_int(key: str, value, allow_zero: bool = False) -> None:
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-        raise ValueError(f"{key}: expected {'a non-negative' if allow_zero else 'a positive'} integer, "
-                         f"got {value}")  # fmt: skip
+        raise ValueError(
+            f"{key}: expected {'a non-negative' if allow_zero else 'a positive'} integer, got {value}"
+        )
 
 
 @dataclass(frozen=True)
@@ -149,8 +164,10 @@ class LoRASection:
                 f"training's; set it to 0"
             )
         if not self.target_modules or not all(self.target_modules):
-            raise ValueError(f"lora.target_modules: expected module names (e.g. [\"q_proj\", \"v_proj\"]) "
-                             f"or [\"{ALL_LINEAR}\"], got {list(self.target_modules)}")  # fmt: skip
+            raise ValueError(
+                f'lora.target_modules: expected module names (e.g. ["q_proj", "v_proj"]) '
+                f'or ["{ALL_LINEAR}"], got {list(self.target_modules)}'
+            )
 
     @property
     def targets(self) -> str | list[str]:
@@ -233,8 +250,9 @@ class CriticSection:
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"critic.max_grad_norm: expected >= 0, got {self.max_grad_norm}")
         if not 0 <= self.value_clip < float("inf"):
-            raise ValueError(f"critic.value_clip: expected a number >= 0 (0: unclipped), got "
-                             f"{self.value_clip}")  # fmt: skip
+            raise ValueError(
+                f"critic.value_clip: expected a number >= 0 (0: unclipped), got {self.value_clip}"
+            )
         one_of("critic.aggregation", self.aggregation, CRITIC_AGGREGATIONS)
         positive_int("critic.budget_tokens", self.budget_tokens)
 

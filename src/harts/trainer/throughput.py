@@ -81,10 +81,14 @@ class Throughput:
         """The counts, rates and (where known) FLOP/s and MFU of one step of ``rollouts`` on ``forest``."""
         loss = loss_tokens(rollouts)
         out = {
-            "flat_tokens": forest.num_flat_tokens, "unique_tokens": forest.num_tokens, "loss_tokens": loss,
-            "redundancy": forest.redundancy, "flat_tokens_per_s": forest.num_flat_tokens / seconds,
-            "unique_tokens_per_s": forest.num_tokens / seconds, "loss_tokens_per_s": loss / seconds,
-        }  # fmt: skip
+            "flat_tokens": forest.num_flat_tokens,
+            "unique_tokens": forest.num_tokens,
+            "loss_tokens": loss,
+            "redundancy": forest.redundancy,
+            "flat_tokens_per_s": forest.num_flat_tokens / seconds,
+            "unique_tokens_per_s": forest.num_tokens / seconds,
+            "loss_tokens_per_s": loss / seconds,
+        }
         if self.flops is not None:
             fm = self.flops
             keys = int((forest.token_position + 1).sum())
@@ -92,8 +96,9 @@ class Throughput:
             flat_keys = float((lengths * (lengths + 1) / 2).sum())
             executed = 3 * (fm.per_token * forest.num_tokens + fm.attention_per_key * keys)
             flat = 3 * (fm.per_token * forest.num_flat_tokens + fm.attention_per_key * flat_keys)
-            out.update(model_flops=executed, model_flops_per_s=executed / seconds,
-                       flat_flops_per_s=flat / seconds)  # fmt: skip
+            out.update(
+                model_flops=executed, model_flops_per_s=executed / seconds, flat_flops_per_s=flat / seconds
+            )
             if self.peak is not None:
                 out["mfu"] = executed / seconds / (self.peak * self.world_size)
         return out

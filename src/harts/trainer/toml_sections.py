@@ -130,8 +130,13 @@ def build_section(cls, table: dict, section: str, base: Path, sections=()):
         elif _KEYWORDS in fields[key].metadata and value not in fields[key].metadata[_KEYWORDS]:
             value = str((base / Path(value).expanduser()).resolve())
         kwargs[key] = value
-    missing = [f.name for f in fields.values() if f.name not in kwargs
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    missing = [
+        f.name
+        for f in fields.values()
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ValueError(f"{section + '.' if section else ''}{missing[0]}: required key missing in {where}")
     return cls(**kwargs)

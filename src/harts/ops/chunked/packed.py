@@ -71,22 +71,27 @@ class PackedChunks:
         span = G.amax(-2) - G.amin(-2)  # [H, M, K]: every G of a chunk lies within span of its midpoint
         if float(span.detach().max()) <= FACTOR_SPAN:
             mid = (G.amax(-2, keepdim=True) + G.amin(-2, keepdim=True)) / 2
-            return Decays(self, torch.exp(G).float(), rows=torch.exp(G - mid).float(),
-                          cols=torch.exp(mid - G).float())  # fmt: skip
+            return Decays(
+                self, torch.exp(G).float(), rows=torch.exp(G - mid).float(), cols=torch.exp(mid - G).float()
+            )
         # G_t - G_i in fp32 from G = hi + lo: hi_t - hi_i is rounded once, relative to the difference
         # itself, and lo carries what fp32 cannot hold of a long path sum.
         hi = G.float()
         lo = (G - hi.double()).float()
         diff = (hi[..., :, None, :] - hi[..., None, :, :]) + (lo[..., :, None, :] - lo[..., None, :, :])
-        return Decays(self, torch.exp(G).float(), pairs=torch.exp(diff.masked_fill(~self.inclusive[..., None],
-                                                                                   -torch.inf)))  # fmt: skip
+        return Decays(
+            self,
+            torch.exp(G).float(),
+            pairs=torch.exp(diff.masked_fill(~self.inclusive[..., None], -torch.inf)),
+        )
 
     def scan(self, trans: torch.Tensor, drive: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
         """The states buffer [R + P, H, K, V]: the roots' initial states, then every emitted state,
         from the emits' maps trans [H, P, K, K] (or diagonal [H, P, K]) and drive [H, P, K, V]."""
         p = self.plan
-        _, ends = TreeStateScan.apply(trans.transpose(0, 1), drive.transpose(0, 1), initial.float(),
-                                      p.emit_source, p.levels)  # fmt: skip
+        _, ends = TreeStateScan.apply(
+            trans.transpose(0, 1), drive.transpose(0, 1), initial.float(), p.emit_source, p.levels
+        )
         return torch.cat([initial.float(), ends], 0)
 
     def reads(self, states: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:

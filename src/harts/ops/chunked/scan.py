@@ -40,8 +40,9 @@ class StateScan(torch.autograd.Function):
             if diagonal:
                 S = torch.addcmul(drive[:, :, n], trans[:, :, n, :, None], S)
             else:
-                S = torch.baddbmm(drive[:, :, n].flatten(0, 1), trans[:, :, n].flatten(0, 1),
-                                  S.flatten(0, 1)).view_as(S)
+                S = torch.baddbmm(
+                    drive[:, :, n].flatten(0, 1), trans[:, :, n].flatten(0, 1), S.flatten(0, 1)
+                ).view_as(S)
         ctx.save_for_backward(trans, starts)
         ctx.diagonal = diagonal
         return starts, S
@@ -96,8 +97,12 @@ class TreeStateScan(torch.autograd.Function):
                 if diagonal:
                     torch.addcmul(drive[idx], trans[idx][..., None], s0, out=end)
                 else:
-                    torch.baddbmm(drive[idx].flatten(0, 1), trans[idx].flatten(0, 1), s0.flatten(0, 1),
-                                  out=end.flatten(0, 1))  # fmt: skip
+                    torch.baddbmm(
+                        drive[idx].flatten(0, 1),
+                        trans[idx].flatten(0, 1),
+                        s0.flatten(0, 1),
+                        out=end.flatten(0, 1),
+                    )
                 continue
             s0 = buf.index_select(0, source[idx])
             starts[idx] = s0

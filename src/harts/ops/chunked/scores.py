@@ -136,7 +136,8 @@ def intra_chunk_scores(q, k, g, keys: bool = True):
         # left and right halves of each block by unbind, whose backward is one stack (a select's
         # is a zero tensor and a copy each, and a sum where two selects read one tensor)
         (g_left, g_right), (_, q_right), (k_left, k_right) = (
-            x.reshape(*lead, n_par, 2, s, K).unbind(-3) for x in (g, q, k))
+            x.reshape(*lead, n_par, 2, s, K).unbind(-3) for x in (g, q, k)
+        )
         if s == 1:  # pairs (2i, 2i + 1): the row weight is exp(g_t), the column weight exp(0) = 1
             row_w, cols = torch.exp(g_right), k_left
         else:
@@ -228,4 +229,3 @@ class _FactoredScores(torch.autograd.Function):
         dk = dk + d_kc * c
         dG = (d_r * r - d_kc * k * c).double()
         return dq, dk, dG, None, None
-
