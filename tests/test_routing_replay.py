@@ -9,6 +9,8 @@ tests build such a pair on purpose (a route that differs deep in the shared pref
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -192,9 +194,15 @@ def test_replaying_the_routers_own_choice_changes_no_bit(family):
         for layer, chosen in zip(recorder.layers, recorder.indices, strict=True):
             table[:, layer] = chosen.int()
         routes = [table[forest.trajectory_token_indices(i)] for i in range(len(trajectories))]
-        replayed = harts.forward(model, harts.build_forest(trajectories, routed_experts=routes))
+        # the same forest (its tokens in the same order) with the routes: the same bits
+        replayed = harts.forward(model, dataclasses.replace(forest, routed_experts=table))
         predictor, target = next_token_rows(forest)
         assert torch.equal(own.logprobs(predictor, target)[0], replayed.logprobs(predictor, target)[0])
+        # the forest built from the routes may order its tokens otherwise: the same values
+        rebuilt = harts.build_forest(trajectories, routed_experts=routes)
+        assert torch.equal(rebuilt.routed_experts[rebuilt.trajectory_token_indices(0)], routes[0])
+        again = harts.forward(model, rebuilt).logprobs(*next_token_rows(rebuilt))[0]
+        assert (again - own.logprobs(predictor, target)[0]).abs().max() <= LOGIT_ATOL
     rollouts = [
         Rollout(t, routed_experts=r, advantages=1.0, rollout_logprobs=[-1.0] * len(t))
         for t, r in zip(trajectories, routes, strict=True)
@@ -316,3 +324,19 @@ def test_verification_replays_the_samples_routes(family):
     assert torch.equal(verified.loss, plain.loss)
     assert all(torch.equal(grads[name], value) for name, value in param_grads(model).items())
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mix", [None, 0])
+def test_distinct_routes_are_found_exactly_even_when_hashes_collide(mix, monkeypatch):
+    """Rows grouped by hash, then checked in full: with every hash equal (a multiplier of 0), the
+    fallback still tells the rows apart."""
+    import numpy as np
+
+    from harts import forest_routes
+
+    if mix is not None:
+        monkeypatch.setattr(forest_routes, "_MIX", np.uint64(mix))
+    flat = np.array([[1, 2, 3], [3, 2, 1], [1, 2, 3], [-1, -1, -1], [3, 2, 1]], dtype=np.int32)
+    first, number = forest_routes._distinct_rows(flat)
+    assert np.array_equal(flat[first][number], flat)
+    assert len(first) == 3 and number[0] == number[2] and number[1] == number[4] and number[0] != number[1]

@@ -12,7 +12,8 @@ top-k), integers, ``-1`` where a layer has no routed experts or the token was no
 router then chooses). The merge keys every token by its id and the number of its route row among
 the batch's distinct rows, ``id + base * number`` with ``base`` above every id, so the prefix merge
 of :func:`harts.forest.build_forest` sees both; ids and routes are read back from the unique keys.
-Distinct rows are found exactly (a sort of the rows' bytes), never by a hash that could collide.
+Distinct rows are found exactly: grouped by a hash, then every row compared in full with its
+group's (a collision falls back to a sort of the rows' bytes), so no two routes are ever merged.
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ class RouteKeys:
             for i, a in enumerate(arrays)
         ]
         flat = np.ascontiguousarray(np.concatenate(full).reshape(-1, int(np.prod(shape))))
-        as_bytes = flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).ravel()
-        _, first_of, number = np.unique(as_bytes, return_index=True, return_inverse=True)
+        first_of, number = _distinct_rows(flat)
         base = max(int(a.max()) for a in arrays) + 1
         starts = np.cumsum([a.size for a in arrays]) - np.asarray([a.size for a in arrays])
         keys = [
@@ -100,6 +100,31 @@ class RouteKeys:
     def split(self, keys: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """The ids ``[N]`` and routes ``[N, layers, k]`` (int32) of the forest's unique keys."""
         return keys % self.base, torch.from_numpy(self.rows[keys // self.base])
+
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection of 64-bit words
+
+
+def _distinct_rows(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the first row of each distinct row, each row's distinct number) of ``flat`` [T, W] int32.
+
+    Rows are grouped by a 64-bit hash (one pass per pair of columns, a sort of T integers), then every
+    row is compared with its group's first in full: equal everywhere, the grouping is exact; a
+    collision (two different rows with one hash) falls back to sorting the rows' bytes, which is
+    exact and slower (a sort of T rows of W values)."""
+    if flat.shape[1] % 2:  # pairs of int32 read as one 64-bit word
+        flat = np.concatenate([flat, np.zeros((flat.shape[0], 1), dtype=flat.dtype)], axis=1)
+    words = np.ascontiguousarray(flat).view(np.uint64)
+    hashed = np.zeros(words.shape[0], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in words.T:  # FNV-style: xor a word in, multiply by an odd constant (mod 2^64)
+            hashed = (hashed ^ column) * _MIX
+    _, first_of, number = np.unique(hashed, return_index=True, return_inverse=True)
+    if np.array_equal(flat[first_of][number], flat):
+        return first_of, number
+    as_bytes = flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).ravel()
+    _, first_of, number = np.unique(as_bytes, return_index=True, return_inverse=True)
+    return first_of, number
 
 
 def routes_of(rollouts) -> list | None:
