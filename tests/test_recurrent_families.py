@@ -108,7 +108,8 @@ def test_nemotron_h_refuses_sliding_window():
 def test_nemotron_h_time_step_floor_is_live():
     """A floor above most softplus(dt) values clamps them, as the stock scan does (exact per trajectory),
     and changes the logits (so the equivalence tests would see a missing clamp)."""
-    floored = tiny_model("nemotron_h", time_step_min=0.8)
+    # the floor: time_step_min on the versions whose mixer clamps with it, time_step_limit on the newer
+    floored = tiny_model("nemotron_h", time_step_min=0.8, time_step_limit=(0.8, float("inf")))
     plain = tiny_model("nemotron_h")
     plain.load_state_dict(floored.state_dict())
     trajectories = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 20, 21]]
