@@ -63,6 +63,7 @@ def test_two_sharded_ranks_verify_low_precision_in_lock_step(tmp_path, shape):
         assert every is not None and every.startswith("verification of rollout_step (its algorithm, at fp32")
         assert bf16_only is not None and f"failed ({label})" in bf16_only
         assert "tree attention's kernel in bfloat16" in bf16_only
+        assert "autocast around an FSDP2-sharded model is not checked" in rank["refused"]
         assert rank["untouched"]
     assert reports[0]["figures"] == {
         **reports[1]["figures"],
