@@ -55,6 +55,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ from harts.runtime.verify_sample import (
 )
 from harts.runtime.verify_sharded import (
     agree,
+    agreed_kernels,
     sharded_truth,
 )
 from harts.runtime.verify_stock import (
@@ -232,31 +234,39 @@ def verify_sample(
     truth = model if (sample.autocast or sample.label == "fp64") else copy_of(model, sample.truth_dtype)
     with set_aside([p for _, p in trainable(model)]):  # the copy's forward leaves the model's gradients
         true_values = sample.stock(truth, False)
-    figures: dict[str, float] = {}
+    algorithm = None
     if sample.low:  # (a) harts' algorithm at fp32, on the truth, against the stock forward in fp64
         with torch.autocast(_device(model).type, enabled=False):
             fp32 = on_sample(None if truth is model else truth, run.backend)
-        del truth
+        del truth  # one copy held at a time: the fp64 one is made after
+        _collect(sample.sharded)
         fp64 = _stock_fp64(model, sample)
-        figures.update(
-            _algorithm_at_fp32(fp32, true_values, fp64, sample.where, sample.kind, sample.chosen, what)
-        )
+        algorithm = functools.partial(_algorithm_at_fp32, fp32, true_values, fp64, sample, what)
     else:
         del truth
-    outcome = _verdict(sample, harts_values, true_values, at_call_values, kernels, what, figures)
+        _collect(sample.sharded)
+    figures: dict[str, float] = {}
+    outcome = _verdict(sample, harts_values, true_values, at_call_values, kernels, what, figures, algorithm)
     seconds = time.perf_counter() - began
     return Verification(
         tuple(sample.chosen), int(sample.sub.num_flat_tokens), sample.label, *outcome, seconds, **figures
     )
 
 
-def _verdict(sample: Sample, harts, truth, at_call, kernels: KernelCalls, what: str, figures: dict):
-    """(value error, stock's value error or None, value bound, gradient ratio or None): the kernels'
-    check (low precision, into ``figures``) and the comparison against the truth; on FSDP2 ranks
-    the verdict agreed, so every rank stops or none."""
+def _verdict(
+    sample: Sample, harts, truth, at_call, kernels: KernelCalls, what: str, figures: dict, algorithm=None
+):
+    """(value error, stock's value error or None, value bound, gradient ratio or None): in low
+    precision the check of the ``algorithm`` at fp32 and the kernels' (into ``figures``), then the
+    comparison against the truth; on FSDP2 ranks the verdict agreed, so every rank stops or none
+    (the kernels' figures agreed first, every rank calling each collective whatever its own)."""
     kernel = check_kernels(kernels)
+    if sample.sharded:  # each rank recorded its own calls: the worst rank's figures on every rank
+        kernel = agreed_kernels(kernel)
     failed, outcome = None, None
     try:
+        if algorithm is not None:  # (a) the algorithm at fp32: a fault in every precision shows here
+            figures.update(algorithm())
         if kernel is not None:  # (b) the kernels in the call's precision, the finer diagnosis first
             raise_on_kernels(kernel, sample.label, sample.chosen, what)
             figures.update(
@@ -298,27 +308,37 @@ def _against_truth(harts, truth, stock, label: str, where: Where, kind: str, abo
     return error, bound, stock_error, ratio
 
 
-def _algorithm_at_fp32(fp32, stock, fp64, where: Where, kind: str, chosen: list[int], what: str) -> dict:
+def _algorithm_at_fp32(fp32, stock, fp64, sample: Sample, what: str) -> dict:
     """The fp32 check (fp32 bounds) of harts at fp32 on a copy of a low-precision model:
-    ``fp32``, ``stock`` (stock fp32) and ``fp64`` are (row values, gradients or None)."""
+    ``fp32``, ``stock`` (stock fp32) and ``fp64`` are (row values, gradients or None); on FSDP2
+    ranks each holds its shards of the gradients, their figures summed over the ranks."""
     what = f"{what} (its algorithm, at fp32 on a copy of the model)"
-    error, bound, _ = check_values(fp32[0], stock[0], fp64[0], "fp32", where, kind, what)
+    error, bound, _ = check_values(fp32[0], stock[0], fp64[0], "fp32", sample.where, sample.kind, what)
     figures = {"algorithm_value_error": error, "algorithm_value_bound": bound}
     if fp32[1] is not None:
+        reduce = all_reduce_sum if sample.sharded else None
         figures["algorithm_gradient_ratio"] = check_gradients(
-            fp32[1], stock[1], fp64[1], "fp32", chosen, what
+            fp32[1], stock[1], fp64[1], "fp32", sample.chosen, what, reduce
         )
     return figures
 
 
 def _stock_fp64(model, sample: Sample) -> tuple[Tensor, dict | None]:
-    """The stock forward (and backward) of the sample on a copy of ``model`` in fp64, the copy
-    dropped after: the truth of the fp32 check of a low-precision call."""
-    fp64 = truth_model(model, torch.float64)
+    """The stock forward (and backward) of the sample on a copy of ``model`` in fp64 (a shard copy
+    on FSDP2 ranks), the copy dropped after: the truth of the fp32 check of a low-precision call."""
+    fp64 = (sharded_truth if sample.sharded else truth_model)(model, torch.float64)
     with set_aside([p for _, p in trainable(model)]):
         out = sample.stock(fp64, False)
     del fp64
+    _collect(sample.sharded)
     return out
+
+
+def _collect(sharded: bool) -> None:
+    """Free a dropped shard copy now: FSDP2's hooks and states hold its modules in reference
+    cycles, which only the cycle collector frees (a plain copy goes with its last reference)."""
+    if sharded:
+        gc.collect()
 
 
 def readout_on(readout, model: nn.Module, on: nn.Module | None):

@@ -20,7 +20,7 @@ from harts.forest import Forest, build_forest
 from harts.runtime.config import RunConfig
 from harts.runtime.verify_bounds import Where
 from harts.runtime.verify_images import sample_images, whole_images
-from harts.runtime.verify_sharded import broadcast_sample, is_sharded, refuse_low
+from harts.runtime.verify_sharded import broadcast_sample, is_sharded, mixed_precision, refuse_low
 from harts.runtime.verify_stock import RowLoss, stock_rows_of_sample
 
 __all__ = [
@@ -85,13 +85,17 @@ def _rows(forest: Forest) -> tuple[Tensor, Tensor, list[Tensor]]:
 
 
 def precision_of(model: nn.Module) -> tuple[str, torch.dtype, bool]:
-    """(label, the truth's dtype, whether the call runs under autocast)."""
+    """(label, the truth's dtype, whether the call runs under autocast). FSDP2 fp32 parameters
+    under a ``MixedPrecisionPolicy`` computing in bf16 / fp16 are that precision."""
     device = next(model.parameters()).device
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
     if autocast:
         low = torch.get_autocast_dtype(device.type)
         return f"{str(low).removeprefix('torch.')} autocast", torch.float32, True
+    mixed = mixed_precision(model) if is_sharded(model) else None
+    if mixed is not None:
+        return f"{str(mixed).removeprefix('torch.')} FSDP2 mixed precision", torch.float32, False
     if dtype == torch.float32:
         return "fp32", torch.float64, False
     if dtype == torch.float64:
@@ -170,7 +174,7 @@ class Sample:
         label, truth_dtype, autocast = precision_of(model)
         sharded = is_sharded(model)  # FSDP2: every rank runs rank 0's sample in lock step (verify_sharded)
         if sharded:
-            refuse_low(model, label not in ("fp32", "fp64"), gradients)
+            refuse_low(model, autocast, gradients)
             spans, trajectories, routes = broadcast_sample(spans, trajectories, routes)
         images, shift = None, 0
         if getattr(forest, "images", None) is not None:  # each trajectory with its own images

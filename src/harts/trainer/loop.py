@@ -224,7 +224,7 @@ class _Train(Announcements, Run):
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
             reason = low_precision_refusal(self.model) if self.ranks.strategy == "fsdp" else None
-            if self.verifying and reason is not None:  # the sharded check runs in fp32 only
+            if self.verifying and reason is not None:  # what the sharded check does not run
                 self.verifying = False
                 self.say(f"run.verify: not here: {reason}")
         return frozen
@@ -330,13 +330,21 @@ class _Train(Announcements, Run):
             )
         self.updated = True
         if report is not None:
-            whose = "this rank's trees" if self.ranks else "the step"
+            whose = "the step" if not self.ranks else "this rank's trees"
+            if self.ranks and self.ranks.strategy == "fsdp":  # every rank checks rank 0's sample
+                whose = "rank 0's trees"
+            low = ""
+            if report.kernel_ratio is not None:  # low precision: the algorithm at fp32, the kernels
+                low = (
+                    f"; at fp32 gradients at {report.algorithm_gradient_ratio:.2g} of their bounds, "
+                    f"attention kernels at {report.kernel_ratio:.2g} of theirs"
+                )
             self.say(
                 f"step {self.step + 1} verified against the stock forward ({report.precision}, "
                 f"trajectories {list(report.trajectories)} of {whose}, "
                 f"{report.tokens} tokens): worst log-prob {report.value_error:.2g} from the truth "
                 f"(bound {report.value_bound:.2g}), gradients at {report.gradient_ratio:.2g} of their "
-                f"bounds; {report.seconds:.2f} s"
+                f"bounds{low}; {report.seconds:.2f} s"
             )
         grad_norm, lrs = self.clip_and_step(result)
         return result, forest, grad_norm, lrs, report
