@@ -223,11 +223,22 @@ class _Train(Announcements, Run):
         if self.ranks is not None:  # DDP wraps the model; FSDP2 shards it in place
             self.ranks = dataclasses.replace(self.ranks, cost=rank_cost(self.model))  # before sharding
             self.wrapped = wrap_model(self.model, self.ranks)
-            reason = low_precision_refusal(self.model) if self.ranks.strategy == "fsdp" else None
+            reason = self._sharded_verify_refusal() if self.ranks.strategy == "fsdp" else None
             if self.verifying and reason is not None:  # what the sharded check does not run
                 self.verifying = False
                 self.say(f"run.verify: not here: {reason}")
         return frozen
+
+    def _sharded_verify_refusal(self) -> str | None:
+        """Why the sharded check cannot run on this FSDP2 run, or None: its precision
+        (:func:`~harts.runtime.verify_sharded.low_precision_refusal`), or LoRA, whose peft wrapper
+        runs the stock forward with plain adapter weights beside the sharded ones."""
+        if self.config.lora is not None:
+            return (
+                "under FSDP2 the check does not run a LoRA (peft) model's stock forward; verify with "
+                'strategy = "ddp" or on one process'
+            )
+        return low_precision_refusal(self.model)
 
     def _make_critic(self, start: Checkpoint | None) -> None:
         """The value model beside the policy (``[critic]``), from the checkpoint on a resume."""

@@ -66,7 +66,8 @@ def train_step(
     )
     report = None
     if verify:
-        report = _agreed(ranks, VerificationError, verify_step, model, local_forest, loss, run)
+        # its collectives broken by a lost rank: a RankFailure, as the step's own
+        report = _agreed(ranks, VerificationError, collective, verify_step, model, local_forest, loss, run)
     reduce = None if ranks is None else all_reduce_sum
     normalizers = collective(normalizers_for, local_rows, max_length=objective.max_length, all_reduce=reduce)
     result = collective(
