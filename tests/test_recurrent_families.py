@@ -77,6 +77,9 @@ def test_minimax_refuses(override, message):
         ("olmo_hybrid", "model.layers.0.linear_attn", "g_proj"),
         ("olmo_hybrid", "model.layers.1.self_attn", "k_norm"),
         ("olmo_hybrid", "model.layers.1", "post_feedforward_layernorm"),
+        ("lfm3", "model.layers.1.self_attn", "g_proj"),
+        ("lfm3", "model.layers.0", "post_operator_norm"),
+        ("lfm3", "model.layers.2.conv", "in_proj"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -160,6 +163,12 @@ def test_olmo_hybrid_refuses_value_heads_not_a_multiple_of_key_heads():
     config = adapter_for_type("olmo_hybrid").tiny_config("olmo_hybrid", linear_num_value_heads=3)
     with pytest.raises(ValueError, match="olmo_hybrid: linear_num_value_heads=3 is not a multiple"):
         adapter_for_type("olmo_hybrid").check_config(config)
+
+
+@pytest.mark.parametrize("option", ["use_sandwich_norm", "use_attention_gate"])
+def test_lfm3_without_sandwich_norms_or_attention_gate(option):
+    """Without the sandwich norms (stock identities) or the per-head attention gate: exact and live."""
+    _exact_and_live(tiny_model("lfm3", **{option: False}), tiny_model("lfm3"))
 
 
 def test_falcon_h1_without_mamba_rms_norm():
