@@ -80,6 +80,8 @@ def test_minimax_refuses(override, message):
         ("lfm3", "model.layers.1.self_attn", "g_proj"),
         ("lfm3", "model.layers.0", "post_operator_norm"),
         ("lfm3", "model.layers.2.conv", "in_proj"),
+        ("lara_mini", "model.layers.0.linear_attn", "in_proj_z"),
+        ("lara_mini", "model.layers.3.self_attn", "k_norm"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
