@@ -18,9 +18,23 @@ from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projecti
 __all__ = ["LaraMiniAdapter", "lara_mini_attention"]
 
 _GDN = (
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "activation", "A_log", "dt_bias",
-    "norm", "out_proj", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-)  # fmt: skip
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "activation",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
 _LAYER = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -43,10 +57,15 @@ class LaraMiniAdapter(FamilyAdapter):
         "full_attention": ("self_attn", partial(lara_mini_attention, layer_type="full_attention")),
     }
     stock_delta_rule_kernels = ("torch_chunk_gated_delta_rule",)
-    small_overrides = {"lara_mini": dict(
-        head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-    )}  # fmt: skip
+    small_overrides = {
+        "lara_mini": dict(
+            head_dim=32,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+    }
 
     def check_model(self, model):
         backbone = self.backbone(model)
@@ -65,15 +84,32 @@ class LaraMiniAdapter(FamilyAdapter):
 
         # GDN, sliding, GDN, full, sliding
         fields = dict(
-            TINY_COMMON, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-            sliding_window=4, tie_word_embeddings=False,
+            TINY_COMMON,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            sliding_window=4,
+            tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention",
-                         "sliding_attention"],
-        )  # fmt: skip
+            layer_types=[
+                "linear_attention",
+                "sliding_attention",
+                "linear_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+        )
         return LaraMiniConfig(**{**fields, **overrides})
 
     def randomize_tiny(self, model):

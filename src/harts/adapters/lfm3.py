@@ -22,8 +22,18 @@ __all__ = ["Lfm3Adapter", "lfm3_attention"]
 
 _LAYER = ("operator_norm", "ffn_norm", "feed_forward", "post_operator_norm", "post_ffn_norm")
 _CONV = ("in_proj", "conv", "out_proj")
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "g_proj", "head_dim", "scaling",
-              "sliding_window")  # fmt: skip
+_ATTENTION = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_norm",
+    "k_norm",
+    "g_proj",
+    "head_dim",
+    "scaling",
+    "sliding_window",
+)
 
 
 def lfm3_attention(attn, x, ctx: TreeOps, layer_type: str) -> torch.Tensor:
@@ -80,16 +90,27 @@ class Lfm3Adapter(Lfm2Adapter):
 
         # conv, sliding attention, conv, full attention, conv
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, norm_eps=1e-5, conv_L_cache=3, conv_bias=True,
-            sliding_window=4, tie_word_embeddings=False,
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            norm_eps=1e-5,
+            conv_L_cache=3,
+            conv_bias=True,
+            sliding_window=4,
+            tie_word_embeddings=False,
             layer_types=["conv", "sliding_attention", "conv", "full_attention", "conv"],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "proportional", "rope_theta": 100000.0,
-                                   "partial_rotary_factor": 0.5},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "rope_theta": 100000.0,
+                    "partial_rotary_factor": 0.5,
+                },
             },
-        )  # fmt: skip
+        )
         fields.pop("rms_norm_eps")
         return Lfm3Config(**{**fields, **overrides})
 

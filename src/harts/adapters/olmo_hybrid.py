@@ -27,9 +27,24 @@ from harts.adapters.mixers import gated_delta_rule, gqa_attention
 __all__ = ["OlmoHybridAdapter", "olmo_hybrid_gdn", "olmo_hybrid_attention"]
 
 _GDN = (
-    "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj", "o_norm", "A_log", "dt_bias",
-    "allow_neg_eigval", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-)  # fmt: skip
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "a_proj",
+    "b_proj",
+    "g_proj",
+    "o_proj",
+    "o_norm",
+    "A_log",
+    "dt_bias",
+    "allow_neg_eigval",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
 _LINEAR_LAYER = ("linear_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 _ATTENTION_LAYER = ("self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm")
@@ -115,13 +130,20 @@ class OlmoHybridAdapter(FamilyAdapter):
         from transformers import OlmoHybridConfig
 
         fields = dict(
-            TINY_COMMON, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            TINY_COMMON,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        )  # fmt: skip
+        )
         return OlmoHybridConfig(**{**fields, **overrides})
 
     def randomize_tiny(self, model):
