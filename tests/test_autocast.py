@@ -84,7 +84,7 @@ def test_autocast_no_worse_than_stock(family, dtype):
 HYBRID_FAMILIES = [f for f in ("bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_moe",
                                  "lfm2", "minimax", "nemotron_h", "jamba", "granitemoehybrid", "falcon_h1",
                                  "glm5_next", "qwen4_exp", "mamba2", "bamba", "mamba",
-                                 "falcon_mamba", "lfm2_moe")
+                                 "falcon_mamba", "lfm2_moe", "olmo_hybrid", "lfm3", "lara_mini")
                    if f in FAMILIES]  # fmt: skip
 
 

@@ -74,6 +74,14 @@ def test_minimax_refuses(override, message):
         ("falcon_mamba", "backbone.layers.0.mixer", "dt_proj"),
         ("lfm2_moe", "model.layers.0.conv", "in_proj"),
         ("lfm2_moe", "model", "pos_emb"),
+        ("olmo_hybrid", "model.layers.0.linear_attn", "g_proj"),
+        ("olmo_hybrid", "model.layers.1.self_attn", "k_norm"),
+        ("olmo_hybrid", "model.layers.1", "post_feedforward_layernorm"),
+        ("lfm3", "model.layers.1.self_attn", "g_proj"),
+        ("lfm3", "model.layers.0", "post_operator_norm"),
+        ("lfm3", "model.layers.2.conv", "in_proj"),
+        ("lara_mini", "model.layers.0.linear_attn", "in_proj_z"),
+        ("lara_mini", "model.layers.3.self_attn", "k_norm"),
     ],
 )
 def test_missing_module_names_family_and_piece(family, path, name):
@@ -140,6 +148,30 @@ def test_granitemoehybrid_without_position_embedding():
     """``position_embedding_type`` other than rope: attention layers without RoPE, as the stock model."""
     nope = tiny_model("granitemoehybrid", position_embedding_type=None)
     _exact_and_live(nope, tiny_model("granitemoehybrid"))
+
+
+def test_olmo_hybrid_without_position_embedding():
+    """No ``rope_theta`` (the released checkpoints): no rotary module, attention without RoPE (NoPE)."""
+    nope = tiny_model("olmo_hybrid", rope_parameters={"rope_type": "default", "rope_theta": None})
+    assert nope.model.rotary_emb is None
+    _exact_and_live(nope, tiny_model("olmo_hybrid"))
+
+
+def test_olmo_hybrid_beta_in_zero_to_one():
+    """``linear_allow_neg_eigval=False``: beta = sigmoid(b), not doubled."""
+    _exact_and_live(tiny_model("olmo_hybrid", linear_allow_neg_eigval=False), tiny_model("olmo_hybrid"))
+
+
+def test_olmo_hybrid_refuses_value_heads_not_a_multiple_of_key_heads():
+    config = adapter_for_type("olmo_hybrid").tiny_config("olmo_hybrid", linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="olmo_hybrid: linear_num_value_heads=3 is not a multiple"):
+        adapter_for_type("olmo_hybrid").check_config(config)
+
+
+@pytest.mark.parametrize("option", ["use_sandwich_norm", "use_attention_gate"])
+def test_lfm3_without_sandwich_norms_or_attention_gate(option):
+    """Without the sandwich norms (stock identities) or the per-head attention gate: exact and live."""
+    _exact_and_live(tiny_model("lfm3", **{option: False}), tiny_model("lfm3"))
 
 
 def test_falcon_h1_without_mamba_rms_norm():

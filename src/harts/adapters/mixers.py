@@ -27,6 +27,7 @@ __all__ = [
     "mla_attention",
     "kda_mixer",
     "gdn_mixer",
+    "gated_delta_rule",
     "qwen3_5_gdn_projections",
     "lightning_mixer",
     "mamba2_mixer",
@@ -182,24 +183,35 @@ def qwen3_5_gdn_projections(attn, x):
     return attn.in_proj_qkv(x)[0], attn.in_proj_z(x), attn.in_proj_b(x), attn.in_proj_a(x)
 
 
-def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) -> torch.Tensor:
-    """Gated DeltaNet (qwen3_next; qwen3_5 with ``projections=qwen3_5_gdn_projections``): conv,
-    per-head decay, grouped value heads, gated RMSNorm on the output."""
-    n = x.shape[1]
-    mixed, z, b, a = projections(attn, x)
-    mixed = _conv(attn, mixed, ctx)
+def gated_delta_rule(attn, mixed, b, a, ctx: TreeOps, beta_scale: float = 1.0) -> torch.Tensor:
+    """The Gated DeltaNet core after the conv, as the stock layers and their chunked kernel: q|k|v
+    ``mixed`` [N, C] split per head, ``beta = sigmoid(b) * beta_scale`` and one decay
+    ``-exp(A_log) * softplus(a + dt_bias)`` per value head, each key head serving consecutive value
+    heads, q and k L2-normalised: the delta rule's output [N, Hv, V] in the conv output's dtype."""
+    n = mixed.shape[0]
     query, key, value = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
-    f, out_dtype = _state_dtype(x), query.dtype  # the stock fallback's output dtype (see kda_mixer)
+    f, out_dtype = _state_dtype(mixed), query.dtype  # the stock fallback's output dtype (see kda_mixer)
     query = query.reshape(n, -1, attn.head_k_dim).to(f)
     key = key.reshape(n, -1, attn.head_k_dim).to(f)
     value = value.reshape(n, -1, attn.head_v_dim).to(f)
-    beta = b.sigmoid()[0].to(f)  # [N, Hv]
+    beta = b.sigmoid()
+    if beta_scale != 1.0:  # olmo_hybrid's linear_allow_neg_eigval: beta in [0, 2]
+        beta = beta * beta_scale
+    beta = beta[0].to(f)  # [N, Hv]
     g = (-attn.A_log.to(f).exp() * F.softplus(a.to(f) + attn.dt_bias))[0]  # [N, Hv], per head as is
     groups = attn.num_v_heads // attn.num_k_heads
     if groups > 1:  # each key head serves `groups` consecutive value heads
         query = query.repeat_interleave(groups, dim=1)
         key = key.repeat_interleave(groups, dim=1)
-    out = ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(out_dtype)
+    return ctx.recurrence(DELTA_RULE, _l2norm(query), _l2norm(key), value, g, beta).to(out_dtype)
+
+
+def gdn_mixer(attn, x, ctx: TreeOps, projections=_qwen3_next_gdn_projections) -> torch.Tensor:
+    """Gated DeltaNet (qwen3_next; qwen3_5 with ``projections=qwen3_5_gdn_projections``): conv,
+    per-head decay, grouped value heads, gated RMSNorm on the output."""
+    n = x.shape[1]
+    mixed, z, b, a = projections(attn, x)
+    out = gated_delta_rule(attn, _conv(attn, mixed, ctx), b, a, ctx)
     out = attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
     return attn.out_proj(out.reshape(1, n, -1))
 
