@@ -11,9 +11,11 @@ model held, the random state), so the call then computes exactly what it compute
 The check:
 
 1. **The sample** (:func:`sample_trajectories`): two trajectories that part at a branch whose
-   shared prefix is longest within ``MAX_PREFIX`` tokens, each kept ``TAIL`` tokens past it, so
-   the sample's forest has a shared prefix and a branch and its cost does not grow with the
-   trajectories' length; a forest without a branch gives its first trajectory.
+   shared prefix is longest within ``MAX_PREFIX`` tokens, each kept ``TAIL`` tokens past it (a
+   deeper branch brought within ``MAX_PREFIX``: :func:`~harts.runtime.verify_sample.within_prefix`),
+   so the sample's forest has a shared prefix and a branch and its cost grows neither with the
+   trajectories' length nor with their prompt's; a forest without a branch gives its first
+   trajectory.
 2. **harts on the sample's own forest** under the call's kernels and plan, and its budget capped
    at half the sample's tokens when the call has one (a cut and a hand-over always run): the
    row values at every position of each sampled trajectory (its log-probs, or a critic's
