@@ -54,6 +54,9 @@ class _HeadInput:
 class Mamba2Adapter(FamilyAdapter):
     model_types = ("mamba2",)
     mixers = {"linear_attention": ("mixer", mamba2_mixer)}
+    # 5.10.4: the forward returns its cache as ``cache_params``, not the ``past_key_values`` that
+    # harts rl's sampler extends; 5.24 and 5.25 measured exact after a branch point
+    exact_cache_from = "5.24.0"
 
     def backbone(self, model):
         # the causal LM's ``backbone``; a value head built on it (harts.ValueHead) holds it as ``model``
