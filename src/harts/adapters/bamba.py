@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, register, require
-from harts.adapters.mamba2 import MAMBA2_MIXER
-from harts.adapters.mixers import gqa_attention, mamba2_mixer
+from harts.adapters.mixers import MAMBA2_MIXER_ATTRIBUTES, gqa_attention, mamba2_mixer
 
 __all__ = ["BambaAdapter"]
 
@@ -41,7 +40,7 @@ class BambaAdapter(FamilyAdapter):
             require("bamba", layer, *_LAYER)
             if self.layer_type(model, i) == "linear_attention":
                 require("bamba", layer, "mamba")
-                require("bamba", layer.mamba, *MAMBA2_MIXER)
+                require("bamba", layer.mamba, *MAMBA2_MIXER_ATTRIBUTES)
             else:
                 require("bamba", layer, "self_attn")
                 require("bamba", layer.self_attn, *_ATTENTION)

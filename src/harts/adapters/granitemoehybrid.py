@@ -29,7 +29,7 @@ import importlib
 import torch
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, Scaled, register, require
-from harts.adapters.mixers import gqa_attention, mamba2_mixer
+from harts.adapters.mixers import MAMBA2_MIXER_ATTRIBUTES, gqa_attention, mamba2_mixer
 
 __all__ = ["GraniteMoeHybridAdapter", "granite_attention"]
 
@@ -39,23 +39,6 @@ _LAYER = (
     "shared_mlp",
     "block_sparse_moe",
     "residual_multiplier",
-)
-_MAMBA = (
-    "in_proj",
-    "conv1d",
-    "activation",
-    "dt_bias",
-    "A_log",
-    "D",
-    "norm",
-    "out_proj",
-    "num_heads",
-    "head_dim",
-    "ssm_state_size",
-    "intermediate_size",
-    "n_groups",
-    "conv_dim",
-    "time_step_limit",
 )
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")
 
@@ -90,7 +73,7 @@ class GraniteMoeHybridAdapter(FamilyAdapter):
             require("granitemoehybrid", layer, *_LAYER)
             if self.layer_type(model, i) == "linear_attention":
                 require("granitemoehybrid", layer, "mamba")
-                require("granitemoehybrid", layer.mamba, *_MAMBA)
+                require("granitemoehybrid", layer.mamba, *MAMBA2_MIXER_ATTRIBUTES)
             else:
                 require("granitemoehybrid", layer, "self_attn")
                 require("granitemoehybrid", layer.self_attn, *_ATTENTION)

@@ -13,28 +13,10 @@ from functools import partial
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, TreeOps, register, require
 from harts.adapters.gqa_family import layer_window
-from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projections
+from harts.adapters.mixers import QWEN3_5_GDN_ATTRIBUTES, gdn_mixer, gqa_attention, qwen3_5_gdn_projections
 
 __all__ = ["LaraMiniAdapter", "lara_mini_attention"]
 
-_GDN = (
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "conv1d",
-    "activation",
-    "A_log",
-    "dt_bias",
-    "norm",
-    "out_proj",
-    "key_dim",
-    "value_dim",
-    "head_k_dim",
-    "head_v_dim",
-    "num_k_heads",
-    "num_v_heads",
-)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
 _LAYER = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -74,7 +56,7 @@ class LaraMiniAdapter(FamilyAdapter):
             require("lara_mini", layer, *_LAYER)
             if layer_type == "linear_attention":
                 require("lara_mini", layer, "linear_attn")
-                require("lara_mini", layer.linear_attn, *_GDN)
+                require("lara_mini", layer.linear_attn, *QWEN3_5_GDN_ATTRIBUTES)
             else:
                 require("lara_mini", layer, "self_attn")
                 require("lara_mini", layer.self_attn, *_ATTENTION, "config")

@@ -16,28 +16,11 @@ from __future__ import annotations
 import torch
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, register, require
-from harts.adapters.mixers import mamba2_mixer
+from harts.adapters.mixers import MAMBA2_MIXER_ATTRIBUTES, mamba2_mixer
 
-__all__ = ["Mamba2Adapter", "MAMBA2_MIXER"]
+__all__ = ["Mamba2Adapter"]
 
 #: what :func:`~harts.adapters.mixers.mamba2_mixer` reads from a stock Mamba-2 mixer
-MAMBA2_MIXER = (
-    "in_proj",
-    "conv1d",
-    "activation",
-    "dt_bias",
-    "A_log",
-    "D",
-    "norm",
-    "out_proj",
-    "num_heads",
-    "head_dim",
-    "ssm_state_size",
-    "intermediate_size",
-    "n_groups",
-    "conv_dim",
-    "time_step_limit",
-)
 
 
 class _HeadInput:
@@ -62,7 +45,7 @@ class Mamba2Adapter(FamilyAdapter):
         # the causal LM's ``backbone``; a value head built on it (harts.ValueHead) holds it as ``model``
         return model.backbone if hasattr(model, "backbone") else model.model
 
-    mixer_attributes = MAMBA2_MIXER  # what the mixer function reads from each layer's ``mixer``
+    mixer_attributes = MAMBA2_MIXER_ATTRIBUTES  # what the mixer function reads from each layer's ``mixer``
 
     def check_model(self, model):
         family = self.model_types[0]

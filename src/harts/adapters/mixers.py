@@ -23,6 +23,8 @@ from harts.adapters.base import TreeOps, hf_function
 from harts.ops.recurrence import DELTA_RULE, GATED_LINEAR_ATTENTION
 
 __all__ = [
+    "MAMBA2_MIXER_ATTRIBUTES",
+    "QWEN3_5_GDN_ATTRIBUTES",
     "gqa_attention",
     "mla_attention",
     "kda_mixer",
@@ -178,6 +180,27 @@ def _qwen3_next_gdn_projections(attn, x):
     return mixed, z, b, a
 
 
+#: what :func:`qwen3_5_gdn_projections` and the Gated DeltaNet core read from a layer's mixer module
+QWEN3_5_GDN_ATTRIBUTES = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "activation",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+)
+
+
 def qwen3_5_gdn_projections(attn, x):
     """qwen3_5's separate projections: (q|k|v [N, C] as ``in_proj_qkv`` lays them out, z, b, a)."""
     return attn.in_proj_qkv(x)[0], attn.in_proj_z(x), attn.in_proj_b(x), attn.in_proj_a(x)
@@ -234,6 +257,26 @@ def lightning_mixer(attn, x, ctx: TreeOps) -> torch.Tensor:
     out = attn.norm(out.reshape(1, n, heads * head_dim))
     out = torch.sigmoid(attn.output_gate(x)) * out
     return attn.out_proj(out)
+
+
+#: what :func:`mamba2_mixer` (with its gated norm) reads from a layer's Mamba-2 mixer module
+MAMBA2_MIXER_ATTRIBUTES = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm",
+    "out_proj",
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "intermediate_size",
+    "n_groups",
+    "conv_dim",
+    "time_step_limit",
+)
 
 
 def mamba2_mixer(mixer, x, ctx: TreeOps, gated_norm: bool = True, project=None) -> torch.Tensor:

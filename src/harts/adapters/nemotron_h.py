@@ -17,27 +17,10 @@ from __future__ import annotations
 from functools import partial
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
-from harts.adapters.mixers import gqa_attention, mamba2_mixer
+from harts.adapters.mixers import MAMBA2_MIXER_ATTRIBUTES, gqa_attention, mamba2_mixer
 
 __all__ = ["NemotronHAdapter"]
 
-_MAMBA = (
-    "in_proj",
-    "conv1d",
-    "activation",
-    "dt_bias",
-    "A_log",
-    "D",
-    "norm",
-    "out_proj",
-    "num_heads",
-    "head_dim",
-    "ssm_state_size",
-    "intermediate_size",
-    "n_groups",
-    "conv_dim",
-    "time_step_limit",
-)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
 
@@ -76,7 +59,7 @@ class NemotronHAdapter(FamilyAdapter):
             require("nemotron_h", layer, "norm", "mixer")
             layer_type = self.layer_type(model, i)
             if layer_type == "linear_attention":
-                require("nemotron_h", layer.mixer, *_MAMBA)
+                require("nemotron_h", layer.mixer, *MAMBA2_MIXER_ATTRIBUTES)
             elif layer_type == "full_attention":
                 require("nemotron_h", layer.mixer, *_ATTENTION)
 

@@ -16,29 +16,11 @@ from __future__ import annotations
 from functools import partial
 
 from harts.adapters.base import TINY_COMMON, FamilyAdapter, MoEBalancing, register, require
-from harts.adapters.mixers import gdn_mixer, gqa_attention, qwen3_5_gdn_projections
+from harts.adapters.mixers import QWEN3_5_GDN_ATTRIBUTES, gdn_mixer, gqa_attention, qwen3_5_gdn_projections
 from harts.adapters.qwen3_5_vision import Qwen3_5VisionLanguage
 
 __all__ = ["Qwen3_5Adapter", "Qwen3_5MoeAdapter"]
 
-_GDN_ATTRIBUTES = (
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "conv1d",
-    "activation",
-    "A_log",
-    "dt_bias",
-    "norm",
-    "out_proj",
-    "key_dim",
-    "value_dim",
-    "head_k_dim",
-    "head_v_dim",
-    "num_k_heads",
-    "num_v_heads",
-)
 _ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling")
 _LAYER_ATTRIBUTES = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -76,7 +58,7 @@ class Qwen3_5Adapter(FamilyAdapter):
             require(self.family, layer, *_LAYER_ATTRIBUTES)
             if layer_type == "linear_attention":
                 require(self.family, layer, "linear_attn")
-                require(self.family, layer.linear_attn, *_GDN_ATTRIBUTES)
+                require(self.family, layer.linear_attn, *QWEN3_5_GDN_ATTRIBUTES)
             elif layer_type == "full_attention":
                 require(self.family, layer, "self_attn")
                 require(self.family, layer.self_attn, *_ATTENTION_ATTRIBUTES)
