@@ -26,21 +26,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from harts.objectives.rollout import trajectory_sources
+
 __all__ = ["rollout_stats", "reward_stats", "groups_same_reward", "response_tokens", "advantage_stats"]
 
 
 def whole_trajectories(rollouts: Sequence) -> list:
     """The rollouts with the pieces of one trajectory (``trajectory_id``) kept once, its first piece
     standing for it: the pieces share its reward and group."""
-    seen: set = set()
-    out = []
-    for r in rollouts:
-        key = getattr(r, "trajectory_id", None)
-        if key is None or key not in seen:
-            out.append(r)
-        if key is not None:
-            seen.add(key)
-    return out
+    source = trajectory_sources(rollouts)
+    first = {}
+    for i, s in enumerate(source):
+        first.setdefault(s, i)
+    return [rollouts[i] for i in first.values()]
 
 
 def reward_stats(rollouts: Sequence) -> dict:
@@ -82,14 +80,10 @@ def _response_tokens(rollout) -> int:
 def response_tokens(rollouts: Sequence) -> dict:
     """``response_tokens_mean`` and ``response_tokens_max``: loss-bearing tokens per trajectory (its
     pieces' together)."""
-    per_trajectory: dict = {}
-    for i, r in enumerate(rollouts):
-        key = getattr(r, "trajectory_id", None)
-        key = ("own", i) if key is None else ("id", key)
-        per_trajectory[key] = per_trajectory.get(key, 0) + _response_tokens(r)
-    counts = list(per_trajectory.values())
-    if not counts:
+    if not rollouts:
         return {}
+    source = trajectory_sources(rollouts)
+    counts = [int(c) for c in np.bincount(source, weights=[_response_tokens(r) for r in rollouts])]
     return {"response_tokens_mean": sum(counts) / len(counts), "response_tokens_max": max(counts)}
 
 
